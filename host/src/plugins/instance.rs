@@ -1,0 +1,370 @@
+//! One loaded version of one plugin: its compiled component, a pool of
+//! initialised instances, and hook calls under a deadline and a memory cap.
+//!
+//! Instances are reused across requests (creating one means running the
+//! plugin's `init`), one call at a time each. An instance that trapped, ran
+//! past its deadline or hit its memory cap is dropped, never reused.
+
+use super::bindings::{
+    Admission, CacheHit, Hook, Load, LookupResult, Manifest, Plugin, PluginPre, Request, Response, ScaleDecision,
+    ScaleSignals, Shaping, Usage,
+};
+use super::state::PluginState;
+use super::stats::{Fault, PluginStats};
+use crate::capabilities::Capabilities;
+use crate::config::{Mode, OnFault, PluginConfig};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use wasmtime::{Store, Trap, UpdateDeadline};
+
+/// Extra time granted past the budget before an awaiting host call (e.g. a
+/// slow network store) is abandoned; CPU-bound guests are cut by the epoch.
+const HOST_CALL_GRACE: Duration = Duration::from_millis(2);
+
+/// Longest coalescing key a plugin may return.
+const MAX_KEY_BYTES: usize = 4096;
+
+/// How a loaded plugin is called: everything fixed at load time.
+#[derive(Clone)]
+pub struct CallSettings {
+    /// Budget of one hook call.
+    pub budget: Duration,
+    /// Budget of `init` on a new instance.
+    pub init_budget: Duration,
+    /// Memory cap, bytes.
+    pub memory_bytes: usize,
+    /// Idle instances to keep.
+    pub max_idle: usize,
+    /// Consecutive faults that quarantine the plugin.
+    pub quarantine_after: u32,
+}
+
+struct Slot {
+    store: Store<PluginState>,
+    plugin: Plugin,
+}
+
+/// One version of one plugin, ready to call.
+pub struct LoadedPlugin {
+    /// Configured name.
+    pub name: Arc<str>,
+    /// Its configuration entry.
+    pub config: PluginConfig,
+    /// First 16 hex digits of the component's SHA-256.
+    pub version: String,
+    /// What its `init` declared.
+    pub manifest: Manifest,
+    /// Counters, shared with earlier and later versions of the same name.
+    pub stats: Arc<PluginStats>,
+    hooks: [bool; 6],
+    settings: CallSettings,
+    config_json: String,
+    pre: PluginPre<PluginState>,
+    engine: wasmtime::Engine,
+    caps: Arc<Capabilities>,
+    idle: Mutex<Vec<Slot>>,
+}
+
+/// One hook call with borrowed arguments.
+enum Call<'a> {
+    Admit(&'a Request, &'a Load),
+    Lookup(&'a Request),
+    CoalesceKey(&'a Request),
+    Shape(&'a Request, &'a Load),
+    Completed(&'a Request, &'a Response, &'a Usage),
+    Scale(&'a ScaleSignals),
+}
+
+enum Answer {
+    Admission(Admission),
+    Lookup(LookupResult),
+    Key(Option<String>),
+    Shaping(Shaping),
+    Done,
+    Scale(ScaleDecision),
+}
+
+impl Call<'_> {
+    fn hook(&self) -> Hook {
+        match self {
+            Call::Admit(..) => Hook::Admit,
+            Call::Lookup(..) => Hook::Lookup,
+            Call::CoalesceKey(..) => Hook::CoalesceKey,
+            Call::Shape(..) => Hook::Shape,
+            Call::Completed(..) => Hook::Completed,
+            Call::Scale(..) => Hook::Scale,
+        }
+    }
+}
+
+async fn invoke(plugin: &Plugin, store: &mut Store<PluginState>, call: &Call<'_>) -> wasmtime::Result<Answer> {
+    Ok(match *call {
+        Call::Admit(request, load) => Answer::Admission(plugin.call_admit(&mut *store, request, *load).await?),
+        Call::Lookup(request) => Answer::Lookup(plugin.call_lookup(&mut *store, request).await?),
+        Call::CoalesceKey(request) => Answer::Key(plugin.call_coalesce_key(&mut *store, request).await?),
+        Call::Shape(request, load) => Answer::Shaping(plugin.call_shape(&mut *store, request, *load).await?),
+        Call::Completed(request, response, usage) => {
+            plugin.call_completed(&mut *store, request, response, *usage).await?;
+            Answer::Done
+        }
+        Call::Scale(signals) => Answer::Scale(plugin.call_scale(&mut *store, *signals).await?),
+    })
+}
+
+fn check_rejection(status: u16, retry_after: Option<u32>, what: &str) -> Result<(), Fault> {
+    if !(400..=599).contains(&status) {
+        return Err(Fault::Malformed(format!("{what} status must be 400-599, got {status}")));
+    }
+    if retry_after.is_some_and(|s| s > 86_400) {
+        return Err(Fault::Malformed(format!("{what} retry-after-secs must be ≤ 86400, got {retry_after:?}")));
+    }
+    Ok(())
+}
+
+fn check_similarity(value: f32, what: &str) -> Result<(), Fault> {
+    if !(0.0..=1.0).contains(&value) {
+        return Err(Fault::Malformed(format!("{what} must be within 0.0-1.0, got {value}")));
+    }
+    Ok(())
+}
+
+/// Checks a decision against the contract; a violation is a fault.
+fn validate(answer: &Answer) -> Result<(), Fault> {
+    match answer {
+        Answer::Admission(Admission::Reject(r)) => check_rejection(r.status, r.retry_after_secs, "reject"),
+        Answer::Lookup(LookupResult::Hit(CacheHit { response, similarity })) => {
+            check_similarity(*similarity, "cache hit similarity")?;
+            if response.choices.is_empty() {
+                return Err(Fault::Malformed("cache hit has no choices".into()));
+            }
+            Ok(())
+        }
+        Answer::Key(Some(key)) if key.is_empty() || key.len() > MAX_KEY_BYTES => {
+            Err(Fault::Malformed(format!("coalesce key must be 1-{MAX_KEY_BYTES} bytes, got {}", key.len())))
+        }
+        Answer::Shaping(s) => {
+            if s.max_tokens == Some(0) {
+                return Err(Fault::Malformed("shape max-tokens must be ≥ 1, got 0".into()));
+            }
+            if s.truncate_prompt_tokens == Some(0) {
+                return Err(Fault::Malformed("shape truncate-prompt-tokens must be ≥ 1, got 0".into()));
+            }
+            if s.route_model.as_deref() == Some("") {
+                return Err(Fault::Malformed("shape route-model must not be empty".into()));
+            }
+            if let Some(floor) = s.cache_min_similarity {
+                check_similarity(floor, "shape cache-min-similarity")?;
+            }
+            if let Some(shed) = &s.shed {
+                check_rejection(shed.status, shed.retry_after_secs, "shed")?;
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+impl LoadedPlugin {
+    /// Instantiates a first instance of `pre`, runs `init`, and keeps it.
+    /// Fails with the plugin's own message when `init` refuses.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn start(
+        config: PluginConfig,
+        version: String,
+        pre: PluginPre<PluginState>,
+        engine: wasmtime::Engine,
+        caps: Arc<Capabilities>,
+        settings: CallSettings,
+        stats: Arc<PluginStats>,
+    ) -> Result<Self, String> {
+        let config_json =
+            serde_json::to_string(&config.config).map_err(|e| format!("config is not valid JSON: {e}"))?;
+        let mut plugin = Self {
+            name: Arc::from(config.name.as_str()),
+            config,
+            version,
+            manifest: Manifest { name: String::new(), version: String::new(), hooks: Vec::new() },
+            stats,
+            hooks: [false; 6],
+            settings,
+            config_json,
+            pre,
+            engine,
+            caps,
+            idle: Mutex::new(Vec::new()),
+        };
+        let (slot, manifest) = plugin.new_instance().await.map_err(|fault| match fault {
+            Fault::Instantiate(message) => message,
+            other => other.to_string(),
+        })?;
+        for hook in &manifest.hooks {
+            plugin.hooks[hook.index()] = true;
+        }
+        plugin.manifest = manifest;
+        plugin.put_back(slot);
+        Ok(plugin)
+    }
+
+    /// Whether the plugin declared `hook`.
+    pub fn declares(&self, hook: Hook) -> bool {
+        self.hooks[hook.index()]
+    }
+
+    /// Fault rule.
+    pub fn on_fault(&self) -> OnFault {
+        self.config.on_fault
+    }
+
+    /// Enforce or shadow.
+    pub fn mode(&self) -> Mode {
+        self.config.mode
+    }
+
+    /// Idle instances right now.
+    pub fn idle_instances(&self) -> usize {
+        self.idle.lock().map(|v| v.len()).unwrap_or(0)
+    }
+
+    async fn new_instance(&self) -> Result<(Slot, Manifest), Fault> {
+        let state = PluginState::new(self.name.clone(), self.settings.memory_bytes, self.caps.clone());
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|state| &mut state.cap);
+        store.epoch_deadline_callback(|ctx| {
+            if Instant::now() >= ctx.data().deadline {
+                Err(Trap::Interrupt.into())
+            } else {
+                Ok(UpdateDeadline::Yield(1))
+            }
+        });
+        store.data_mut().deadline = Instant::now() + self.settings.init_budget;
+        store.set_epoch_deadline(1);
+        let budget = self.settings.init_budget;
+        let started = async {
+            let plugin = self.pre.instantiate_async(&mut store).await?;
+            let manifest = plugin.call_init(&mut store, &self.config_json).await?;
+            wasmtime::Result::Ok((plugin, manifest))
+        };
+        let outcome = tokio::time::timeout(budget + HOST_CALL_GRACE, started).await;
+        let (plugin, manifest) = match outcome {
+            Err(_) => return Err(Fault::Instantiate(format!("init ran past its budget of {budget:?}"))),
+            Ok(Err(error)) => {
+                return Err(Fault::Instantiate(match self.classify(&error, &store) {
+                    Fault::Deadline(_) => format!("init ran past its budget of {budget:?}"),
+                    other => other.to_string(),
+                }));
+            }
+            Ok(Ok((_, Err(message)))) => return Err(Fault::Instantiate(format!("init refused: {message}"))),
+            Ok(Ok((plugin, Ok(manifest)))) => (plugin, manifest),
+        };
+        Ok((Slot { store, plugin }, manifest))
+    }
+
+    fn classify(&self, error: &wasmtime::Error, store: &Store<PluginState>) -> Fault {
+        if store.data().cap.exceeded {
+            Fault::OverMemory(self.settings.memory_bytes as u64 >> 20)
+        } else if matches!(error.downcast_ref::<Trap>(), Some(Trap::Interrupt)) {
+            Fault::Deadline(self.settings.budget)
+        } else {
+            Fault::Trap(format!("{error:#}").lines().next().unwrap_or("unknown trap").to_string())
+        }
+    }
+
+    fn take_idle(&self) -> Option<Slot> {
+        self.idle.lock().ok()?.pop()
+    }
+
+    fn put_back(&self, slot: Slot) {
+        if let Ok(mut idle) = self.idle.lock()
+            && idle.len() < self.settings.max_idle
+        {
+            idle.push(slot);
+        }
+    }
+
+    async fn call(&self, call: Call<'_>) -> Result<Answer, Fault> {
+        let hook = call.hook();
+        let started = Instant::now();
+        let outcome = self.call_inner(&call).await;
+        let tipped = self.stats.record(hook, started.elapsed(), outcome.as_ref().err(), self.settings.quarantine_after);
+        if let Err(fault) = &outcome {
+            tracing::warn!(plugin = &*self.name, version = %self.version, hook = hook.name(), "plugin fault: {fault}");
+        }
+        if tipped {
+            tracing::error!(
+                plugin = &*self.name,
+                version = %self.version,
+                "plugin quarantined after {} consecutive faults; reload it to lift the quarantine",
+                self.settings.quarantine_after
+            );
+        }
+        outcome
+    }
+
+    async fn call_inner(&self, call: &Call<'_>) -> Result<Answer, Fault> {
+        let mut slot = match self.take_idle() {
+            Some(slot) => slot,
+            None => self.new_instance().await?.0,
+        };
+        let budget = self.settings.budget;
+        slot.store.data_mut().deadline = Instant::now() + budget;
+        slot.store.set_epoch_deadline(1);
+        let answer =
+            match tokio::time::timeout(budget + HOST_CALL_GRACE, invoke(&slot.plugin, &mut slot.store, call)).await {
+                Err(_) => return Err(Fault::Deadline(budget)),
+                Ok(Err(error)) => return Err(self.classify(&error, &slot.store)),
+                Ok(Ok(answer)) => answer,
+            };
+        // The instance is sound even when its decision is not.
+        self.put_back(slot);
+        validate(&answer)?;
+        Ok(answer)
+    }
+
+    /// Calls `admit`.
+    pub async fn admit(&self, request: &Request, load: &Load) -> Result<Admission, Fault> {
+        match self.call(Call::Admit(request, load)).await? {
+            Answer::Admission(a) => Ok(a),
+            _ => unreachable!("admit answers with an admission"),
+        }
+    }
+
+    /// Calls `lookup`.
+    pub async fn lookup(&self, request: &Request) -> Result<LookupResult, Fault> {
+        match self.call(Call::Lookup(request)).await? {
+            Answer::Lookup(l) => Ok(l),
+            _ => unreachable!("lookup answers with a lookup result"),
+        }
+    }
+
+    /// Calls `coalesce-key`.
+    pub async fn coalesce_key(&self, request: &Request) -> Result<Option<String>, Fault> {
+        match self.call(Call::CoalesceKey(request)).await? {
+            Answer::Key(k) => Ok(k),
+            _ => unreachable!("coalesce-key answers with a key"),
+        }
+    }
+
+    /// Calls `shape`.
+    pub async fn shape(&self, request: &Request, load: &Load) -> Result<Shaping, Fault> {
+        match self.call(Call::Shape(request, load)).await? {
+            Answer::Shaping(s) => Ok(s),
+            _ => unreachable!("shape answers with a shaping"),
+        }
+    }
+
+    /// Calls `completed`.
+    pub async fn completed(&self, request: &Request, response: &Response, usage: &Usage) -> Result<(), Fault> {
+        match self.call(Call::Completed(request, response, usage)).await? {
+            Answer::Done => Ok(()),
+            _ => unreachable!("completed answers with nothing"),
+        }
+    }
+
+    /// Calls `scale`.
+    pub async fn scale(&self, signals: &ScaleSignals) -> Result<ScaleDecision, Fault> {
+        match self.call(Call::Scale(signals)).await? {
+            Answer::Scale(d) => Ok(d),
+            _ => unreachable!("scale answers with a decision"),
+        }
+    }
+}

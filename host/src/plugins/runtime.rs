@@ -1,0 +1,158 @@
+//! The Wasm engine behind every plugin: compilation, the pooling allocator,
+//! the epoch ticker that drives deadlines, and the linker with the host
+//! capabilities (and an empty WASI) that plugins import.
+
+use super::bindings::{Plugin, PluginPre};
+use super::instance::{CallSettings, LoadedPlugin};
+use super::state::PluginState;
+use super::stats::PluginStats;
+use crate::capabilities::Capabilities;
+use crate::config::{PluginConfig, PluginRuntimeConfig};
+use sha2::{Digest, Sha256};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::{Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+
+/// Why a plugin version could not be loaded. The previous version, if any,
+/// keeps serving.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    /// The component file could not be read.
+    #[error("plugin {name}: cannot read {path}: {source}")]
+    Read {
+        /// Plugin name.
+        name: String,
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not a valid component, or not of the `levee:policy` world.
+    #[error("plugin {name}: {path} is not a loadable levee:policy@0.1.0 component: {message}")]
+    Compile {
+        /// Plugin name.
+        name: String,
+        /// The file.
+        path: PathBuf,
+        /// The compiler's or linker's message.
+        message: String,
+    },
+    /// Instantiation or `init` failed.
+    #[error("plugin {name}: init failed: {message}")]
+    Init {
+        /// Plugin name.
+        name: String,
+        /// The plugin's own message, or the fault.
+        message: String,
+    },
+    /// The Wasm engine could not be set up.
+    #[error("plugin runtime: {0}")]
+    Engine(String),
+}
+
+/// Compiles and instantiates plugins; one per process.
+pub struct PluginRuntime {
+    engine: Engine,
+    linker: Linker<PluginState>,
+    caps: Arc<Capabilities>,
+    settings: PluginRuntimeConfig,
+}
+
+/// A component's version: the first 16 hex digits of its SHA-256.
+pub fn version_of(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
+    digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+impl PluginRuntime {
+    /// Sets up the engine (async, component model, epoch interruption,
+    /// pooling allocator sized from `settings`) and starts the epoch ticker.
+    pub fn new(settings: &PluginRuntimeConfig, caps: Arc<Capabilities>) -> Result<Self, PluginError> {
+        let engine_error = |e: wasmtime::Error| PluginError::Engine(format!("{e:#}"));
+        let instances = settings.max_instances;
+        let mut pool = PoolingAllocationConfig::default();
+        pool.total_component_instances(instances)
+            .total_core_instances(instances * 4)
+            .total_memories(instances * 2)
+            .total_tables(instances * 4)
+            .total_stacks(instances)
+            .max_memory_size((settings.max_memory_mib as usize) << 20);
+        let mut config = wasmtime::Config::new();
+        config
+            .wasm_component_model(true)
+            // A reload compiles on one core, leaving the others to the requests in flight.
+            .parallel_compilation(false)
+            .epoch_interruption(true)
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        let engine = Engine::new(&config).map_err(engine_error)?;
+
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(engine_error)?;
+        Plugin::add_to_linker::<PluginState, HasSelf<PluginState>>(&mut linker, |state| state).map_err(engine_error)?;
+
+        spawn_epoch_ticker(&engine, Duration::from_micros(settings.epoch_tick_us))
+            .map_err(|e| PluginError::Engine(format!("cannot start the epoch ticker: {e}")))?;
+        Ok(Self { engine, linker, caps, settings: settings.clone() })
+    }
+
+    /// The shared host capabilities.
+    pub fn capabilities(&self) -> &Arc<Capabilities> {
+        &self.caps
+    }
+
+    /// Reads a plugin's component file.
+    pub async fn read(&self, config: &PluginConfig) -> Result<Vec<u8>, PluginError> {
+        tokio::fs::read(&config.path).await.map_err(|source| PluginError::Read {
+            name: config.name.clone(),
+            path: config.path.clone(),
+            source,
+        })
+    }
+
+    /// Compiles `bytes` (off the async threads), links it, and starts a
+    /// first instance through `init`.
+    pub async fn load(
+        &self,
+        config: &PluginConfig,
+        bytes: Vec<u8>,
+        stats: Arc<PluginStats>,
+    ) -> Result<LoadedPlugin, PluginError> {
+        let version = version_of(&bytes);
+        let compile_error =
+            |message: String| PluginError::Compile { name: config.name.clone(), path: config.path.clone(), message };
+        let engine = self.engine.clone();
+        let component = tokio::task::spawn_blocking(move || Component::new(&engine, &bytes))
+            .await
+            .map_err(|e| compile_error(e.to_string()))?
+            .map_err(|e| compile_error(format!("{e:#}")))?;
+        let pre = self.linker.instantiate_pre(&component).map_err(|e| compile_error(format!("{e:#}")))?;
+        let pre = PluginPre::new(pre).map_err(|e| compile_error(format!("{e:#}")))?;
+        let settings = CallSettings {
+            budget: Duration::from_secs_f64(config.time_budget_ms / 1000.0),
+            init_budget: Duration::from_secs_f64(self.settings.init_budget_ms / 1000.0),
+            memory_bytes: (config.memory_mib as usize) << 20,
+            max_idle: self.settings.idle_instances,
+            quarantine_after: self.settings.quarantine_after,
+        };
+        LoadedPlugin::start(config.clone(), version, pre, self.engine.clone(), self.caps.clone(), settings, stats)
+            .await
+            .map_err(|message| PluginError::Init { name: config.name.clone(), message })
+    }
+}
+
+/// Advances the engine's epoch every `tick` until the engine is dropped.
+fn spawn_epoch_ticker(engine: &Engine, tick: Duration) -> std::io::Result<()> {
+    let weak = engine.weak();
+    std::thread::Builder::new()
+        .name("levee-epoch".into())
+        .spawn(move || {
+            while let Some(engine) = weak.upgrade() {
+                engine.increment_epoch();
+                drop(engine);
+                std::thread::sleep(tick);
+            }
+        })
+        .map(drop)
+}

@@ -1,0 +1,145 @@
+//! Per-plugin counters: calls, faults by kind, latency, shadow decisions and
+//! quarantine. They outlive reloads: a plugin's name keeps its history.
+
+use super::bindings::Hook;
+use crate::metrics::{HOOK_BUCKETS, Histogram};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Why a plugin call failed. A plugin's decision is never a fault; these are.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Fault {
+    /// The guest trapped (panic, unreachable, out-of-bounds access, …).
+    #[error("trapped: {0}")]
+    Trap(String),
+    /// The call ran past its time budget and was cut.
+    #[error("ran past its time budget of {0:?}")]
+    Deadline(Duration),
+    /// The guest tried to grow its memory past the cap.
+    #[error("tried to grow its memory past the cap of {0} MiB")]
+    OverMemory(u64),
+    /// The decision broke the contract (e.g. a reject with status 200).
+    #[error("returned a malformed decision: {0}")]
+    Malformed(String),
+    /// A new instance could not be created or its `init` failed.
+    #[error("could not start an instance: {0}")]
+    Instantiate(String),
+    /// The plugin is quarantined and was not called.
+    #[error("is quarantined after repeated faults")]
+    Quarantined,
+}
+
+/// Fault kinds that are counted (quarantine is a state, not a fault).
+pub const FAULT_KINDS: [&str; 5] = ["trap", "deadline", "over-memory", "malformed", "instantiate"];
+
+impl Fault {
+    /// Index into [`FAULT_KINDS`], or `None` for [`Fault::Quarantined`].
+    pub fn kind(&self) -> Option<usize> {
+        match self {
+            Fault::Trap(_) => Some(0),
+            Fault::Deadline(_) => Some(1),
+            Fault::OverMemory(_) => Some(2),
+            Fault::Malformed(_) => Some(3),
+            Fault::Instantiate(_) => Some(4),
+            Fault::Quarantined => None,
+        }
+    }
+}
+
+/// Counters of one plugin.
+pub struct PluginStats {
+    calls: [AtomicU64; 6],
+    hook_faults: [AtomicU64; 6],
+    faults: [AtomicU64; 5],
+    latency: [Histogram; 6],
+    shadow_overrides: AtomicU64,
+    consecutive_faults: AtomicU32,
+    quarantined: AtomicBool,
+}
+
+impl Default for PluginStats {
+    fn default() -> Self {
+        Self {
+            calls: Default::default(),
+            hook_faults: Default::default(),
+            faults: Default::default(),
+            latency: std::array::from_fn(|_| Histogram::new(HOOK_BUCKETS)),
+            shadow_overrides: AtomicU64::new(0),
+            consecutive_faults: AtomicU32::new(0),
+            quarantined: AtomicBool::new(false),
+        }
+    }
+}
+
+impl PluginStats {
+    /// Records one call of `hook` that took `elapsed`. Returns true when this
+    /// fault tipped the plugin into quarantine.
+    pub fn record(&self, hook: Hook, elapsed: Duration, fault: Option<&Fault>, quarantine_after: u32) -> bool {
+        let h = hook.index();
+        self.calls[h].fetch_add(1, Ordering::Relaxed);
+        self.latency[h].observe(elapsed.as_secs_f64());
+        match fault.and_then(Fault::kind) {
+            None => {
+                self.consecutive_faults.store(0, Ordering::Relaxed);
+                false
+            }
+            Some(kind) => {
+                self.hook_faults[h].fetch_add(1, Ordering::Relaxed);
+                self.faults[kind].fetch_add(1, Ordering::Relaxed);
+                let run = self.consecutive_faults.fetch_add(1, Ordering::Relaxed) + 1;
+                run >= quarantine_after && !self.quarantined.swap(true, Ordering::Relaxed)
+            }
+        }
+    }
+
+    /// Counts a shadow-mode decision that would have changed the outcome.
+    pub fn record_shadow_override(&self) {
+        self.shadow_overrides.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Lifts quarantine (a new version was loaded).
+    pub fn reset_quarantine(&self) {
+        self.consecutive_faults.store(0, Ordering::Relaxed);
+        self.quarantined.store(false, Ordering::Relaxed);
+    }
+
+    /// Whether the plugin is quarantined.
+    pub fn quarantined(&self) -> bool {
+        self.quarantined.load(Ordering::Relaxed)
+    }
+
+    /// Calls of `hook`.
+    pub fn calls(&self, hook: Hook) -> u64 {
+        self.calls[hook.index()].load(Ordering::Relaxed)
+    }
+
+    /// Calls over all hooks.
+    pub fn total_calls(&self) -> u64 {
+        self.calls.iter().map(|c| c.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Faults of `hook`.
+    pub fn hook_faults(&self, hook: Hook) -> u64 {
+        self.hook_faults[hook.index()].load(Ordering::Relaxed)
+    }
+
+    /// Faults by kind, in [`FAULT_KINDS`] order.
+    pub fn faults_by_kind(&self) -> [u64; 5] {
+        std::array::from_fn(|i| self.faults[i].load(Ordering::Relaxed))
+    }
+
+    /// Faults over all kinds.
+    pub fn total_faults(&self) -> u64 {
+        self.faults_by_kind().iter().sum()
+    }
+
+    /// Shadow decisions that were not applied.
+    pub fn shadow_overrides(&self) -> u64 {
+        self.shadow_overrides.load(Ordering::Relaxed)
+    }
+
+    /// Latency histogram of `hook`.
+    pub fn latency(&self, hook: Hook) -> &Histogram {
+        &self.latency[hook.index()]
+    }
+}

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Everything Levee needs before it builds, serves or tests; safe to run again.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+# Plugins and test guests are WebAssembly components.
+if command -v rustup >/dev/null 2>&1; then
+  if ! rustup target list --installed | grep -qx wasm32-wasip2; then
+    rustup target add wasm32-wasip2
+  fi
+else
+  echo "setup: rustup not found; make sure the wasm32-wasip2 target is installed" >&2
+fi
+
+# The default model (and, once present, the other model files).
+if [[ -x scripts/fetch-model.sh ]]; then
+  scripts/fetch-model.sh
+fi
