@@ -161,6 +161,7 @@ impl Default for Load {
 /// Exports a [`Policy`] as the plugin's component: `export!(MyPolicy);`.
 ///
 /// The policy is created by `init` and kept for the life of the instance.
+#[rustfmt::skip]
 #[macro_export]
 macro_rules! export {
     ($policy:ty) => {
@@ -212,7 +213,7 @@ macro_rules! export {
                 fn scale(signals: __types::ScaleSignals) -> __types::ScaleDecision {
                     __with(|p| $crate::Policy::scale(p, &signals))
                 }
-    }
+            }
 
             $crate::bindings::__export_plugin_world!(__LeveeExport with_types_in $crate::bindings);
         };

@@ -57,8 +57,7 @@ impl LocalBuckets {
     /// Takes `cost` from bucket `key` atomically.
     pub fn take(&self, key: &str, capacity: f64, refill_per_sec: f64, cost: f64) -> Result<Take, String> {
         let valid = capacity.is_finite() && capacity >= 0.0 && refill_per_sec.is_finite() && refill_per_sec >= 0.0;
-        if !valid || !cost.is_finite()
-        {
+        if !valid || !cost.is_finite() {
             return Err(format!(
                 "token-bucket: capacity and refill-per-sec must be finite and ≥ 0, cost finite; got {capacity}, {refill_per_sec}, {cost}"
             ));
