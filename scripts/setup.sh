@@ -13,7 +13,11 @@ else
   echo "setup: rustup not found; make sure the wasm32-wasip2 target is installed" >&2
 fi
 
-# The default model (and, once present, the other model files).
-if [[ -x scripts/fetch-model.sh ]]; then
-  scripts/fetch-model.sh
+# The default model, and the embedding model behind the semantic cache.
+scripts/fetch-model.sh
+scripts/fetch-embeddings.sh
+
+# The OpenAI Python client, used by the compatibility test.
+if ! python3 -c "import openai" >/dev/null 2>&1; then
+  python3 -m pip install --quiet --disable-pip-version-check openai
 fi

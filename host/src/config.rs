@@ -10,8 +10,16 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
 pub struct Config {
-    /// HTTP listener.
+    /// HTTP listener and request limits.
     pub server: ServerConfig,
+    /// The model to serve.
+    pub model: ModelConfig,
+    /// Engine scheduling and memory.
+    pub engine: EngineSection,
+    /// API keys; when any are configured, every API request needs one.
+    pub api_keys: Vec<ApiKey>,
+    /// The embedding model behind the `embed` import.
+    pub embeddings: EmbeddingsConfig,
     /// Admin API.
     pub admin: AdminConfig,
     /// Settings shared by every plugin.
@@ -20,18 +28,142 @@ pub struct Config {
     pub plugins: Vec<PluginConfig>,
 }
 
-/// HTTP listener settings.
+/// HTTP listener settings and limits on what one request may ask for.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
 pub struct ServerConfig {
     /// Address to listen on.
     pub listen: String,
+    /// Largest request body, bytes (larger: 413).
+    pub max_body_bytes: usize,
+    /// On SIGTERM, how long in-flight requests may take to finish, seconds.
+    pub shutdown_grace_secs: f64,
+    /// Most choices (`n`) per request.
+    pub max_n: u32,
+    /// Most prompts in one completions request.
+    pub max_prompts: usize,
+    /// Most stop sequences per request.
+    pub max_stop: usize,
+    /// `max_tokens` of a chat request that does not say.
+    pub default_chat_max_tokens: u32,
+    /// `max_tokens` of a completions request that does not say (OpenAI's default).
+    pub default_completion_max_tokens: u32,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        Self { listen: "127.0.0.1:8000".to_string() }
+        Self {
+            listen: "127.0.0.1:8000".to_string(),
+            max_body_bytes: 4 << 20,
+            shutdown_grace_secs: 30.0,
+            max_n: 16,
+            max_prompts: 32,
+            max_stop: 16,
+            default_chat_max_tokens: 512,
+            default_completion_max_tokens: 16,
+        }
     }
+}
+
+/// The model to serve.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
+pub struct ModelConfig {
+    /// GGUF file, or a directory with `config.json`, safetensors and `tokenizer.json`.
+    pub path: PathBuf,
+    /// Name clients use in `model`; the file's stem by default.
+    pub name: Option<String>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self { path: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"), name: None }
+    }
+}
+
+impl ModelConfig {
+    /// The name clients use.
+    pub fn served_name(&self) -> String {
+        self.name.clone().unwrap_or_else(|| {
+            let stem = self.path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            // "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct"
+            stem.split('.').next().unwrap_or(&stem).to_string()
+        })
+    }
+}
+
+/// Engine scheduling and memory.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
+pub struct EngineSection {
+    /// KV cache memory, MiB.
+    pub kv_memory_mib: usize,
+    /// Token positions per KV block.
+    pub block_size: usize,
+    /// Most tokens (prefill and decode) in one step.
+    pub max_batch_tokens: usize,
+    /// Most prompt tokens of one request in one step (longer prompts are chunked).
+    pub prefill_chunk: usize,
+    /// Most sequences running at once.
+    pub max_running: usize,
+    /// Most requests waiting for the engine (more: 429).
+    pub max_queue_requests: usize,
+    /// Most prompt tokens waiting for the engine (more: 429).
+    pub max_queued_tokens: usize,
+    /// A request not started within this many seconds fails with 504.
+    pub queue_timeout_secs: f64,
+    /// Compute threads; 0 uses every core.
+    pub threads: usize,
+    /// Longest prompt plus completion; the model's context by default.
+    pub max_context: Option<usize>,
+}
+
+impl Default for EngineSection {
+    fn default() -> Self {
+        Self {
+            kv_memory_mib: 256,
+            block_size: 16,
+            max_batch_tokens: 512,
+            prefill_chunk: 256,
+            max_running: 32,
+            max_queue_requests: 256,
+            max_queued_tokens: 1 << 18,
+            queue_timeout_secs: 60.0,
+            threads: 0,
+            max_context: None,
+        }
+    }
+}
+
+/// The embedding model plugins reach through `embed`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
+pub struct EmbeddingsConfig {
+    /// Folder with `model.onnx`, the tokenizer files and `libonnxruntime.so`.
+    /// `None` (the default) uses `models/minilm` when it exists and runs
+    /// without embeddings otherwise; a folder named here must exist.
+    pub path: Option<PathBuf>,
+    /// ONNX Runtime threads.
+    pub threads: usize,
+}
+
+impl Default for EmbeddingsConfig {
+    fn default() -> Self {
+        Self { path: None, threads: 1 }
+    }
+}
+
+/// One API key and whom it belongs to.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ApiKey {
+    /// The secret clients send as `Authorization: Bearer <key>`.
+    pub key: String,
+    /// Tenant the key belongs to (what plugins see as `request.tenant`).
+    pub tenant: String,
+    /// Tier of the tenant (e.g. `free`, `paid`), for plugins.
+    #[serde(default)]
+    pub tier: Option<String>,
 }
 
 /// Admin API settings.
@@ -169,6 +301,14 @@ impl Config {
             other => other,
         })?;
         let base = path.parent().unwrap_or(Path::new("."));
+        if config.model.path.is_relative() && base.join(&config.model.path).exists() {
+            config.model.path = base.join(&config.model.path);
+        }
+        if let Some(path) = &config.embeddings.path
+            && path.is_relative()
+        {
+            config.embeddings.path = Some(base.join(path));
+        }
         for plugin in &mut config.plugins {
             if plugin.path.is_relative() {
                 plugin.path = base.join(&plugin.path);
@@ -187,6 +327,47 @@ impl Config {
 
     /// Checks ranges and cross-field rules.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        let server = &self.server;
+        if server.max_n == 0 || server.max_prompts == 0 || server.max_body_bytes < 1024 {
+            return Err(ConfigError::Invalid(format!(
+                "server.max-n and server.max-prompts must be ≥ 1 and server.max-body-bytes ≥ 1024; got {}, {}, {}",
+                server.max_n, server.max_prompts, server.max_body_bytes
+            )));
+        }
+        if !(server.shutdown_grace_secs >= 0.0 && server.shutdown_grace_secs <= 3600.0) {
+            return Err(ConfigError::Invalid(format!(
+                "server.shutdown-grace-secs must be between 0 and 3600, got {}",
+                server.shutdown_grace_secs
+            )));
+        }
+        let engine = &self.engine;
+        if engine.kv_memory_mib == 0
+            || engine.block_size == 0
+            || engine.max_batch_tokens == 0
+            || engine.max_running == 0
+        {
+            return Err(ConfigError::Invalid(
+                "engine.kv-memory-mib, engine.block-size, engine.max-batch-tokens and engine.max-running must be ≥ 1"
+                    .into(),
+            ));
+        }
+        if !(engine.queue_timeout_secs > 0.0 && engine.queue_timeout_secs <= 86_400.0) {
+            return Err(ConfigError::Invalid(format!(
+                "engine.queue-timeout-secs must be > 0 and ≤ 86400, got {}",
+                engine.queue_timeout_secs
+            )));
+        }
+        let mut keys = std::collections::HashSet::new();
+        for (i, key) in self.api_keys.iter().enumerate() {
+            if key.key.len() < 8 || key.tenant.is_empty() {
+                return Err(ConfigError::Invalid(format!(
+                    "api-keys[{i}]: key must have at least 8 characters and tenant must not be empty"
+                )));
+            }
+            if !keys.insert(key.key.as_str()) {
+                return Err(ConfigError::Invalid(format!("api-keys[{i}]: the same key is configured twice")));
+            }
+        }
         let runtime = &self.plugin_runtime;
         if runtime.epoch_tick_us == 0 || runtime.epoch_tick_us > 100_000 {
             return Err(ConfigError::Invalid(format!(
@@ -254,6 +435,14 @@ mod tests {
         assert_eq!(config.plugins[1].mode, Mode::Shadow);
         assert_eq!(config.plugins[1].time_budget_ms, 2.5);
         assert_eq!(config.plugins[1].memory_mib, 64);
+    }
+
+    #[test]
+    fn the_example_configuration_parses() {
+        let config = Config::parse(include_str!("../../levee.example.toml")).unwrap();
+        assert_eq!(config.server.listen, "127.0.0.1:8000");
+        assert_eq!(config.model.served_name(), "SmolLM2-135M-Instruct");
+        assert_eq!(config.engine.kv_memory_mib, 256);
     }
 
     #[test]

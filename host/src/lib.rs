@@ -2,8 +2,13 @@
 //! hot-swappable WebAssembly policy plugins.
 
 pub mod admin;
+pub mod api;
 pub mod capabilities;
+pub mod coalesce;
 pub mod config;
 pub mod metrics;
+pub mod pipeline;
 pub mod plugins;
 pub mod server;
+pub mod telemetry;
+pub mod tenancy;

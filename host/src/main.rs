@@ -2,13 +2,11 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use levee::admin::AdminState;
-use levee::capabilities::Capabilities;
 use levee::config::Config;
-use levee::plugins::{PluginRuntime, PluginSystem};
-use levee::server::{self, AppState};
+use levee::server::{self, Levee};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 /// Levee: an LLM inference server whose traffic policies are hot-swappable
 /// WebAssembly plugins.
@@ -21,7 +19,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve HTTP with the configured plugin chain.
+    /// Serve the model over the OpenAI-compatible API, through the configured plugin chain.
     Serve(ServeArgs),
 }
 
@@ -30,6 +28,21 @@ struct ServeArgs {
     /// Configuration file (TOML). Missing and not given: built-in defaults, no plugins.
     #[arg(long, env = "LEVEE_CONFIG")]
     config: Option<PathBuf>,
+    /// Model file (GGUF) or directory (safetensors + config.json); overrides model.path.
+    #[arg(long, env = "LEVEE_MODEL")]
+    model: Option<PathBuf>,
+    /// Name clients use for the model; overrides model.name.
+    #[arg(long, env = "LEVEE_MODEL_NAME")]
+    model_name: Option<String>,
+    /// KV cache memory in MiB; overrides engine.kv-memory-mib.
+    #[arg(long, env = "LEVEE_KV_MEMORY_MIB")]
+    kv_memory_mib: Option<usize>,
+    /// Compute threads (0 = all cores); overrides engine.threads.
+    #[arg(long, env = "LEVEE_THREADS")]
+    threads: Option<usize>,
+    /// Seconds in-flight requests get to finish after SIGTERM (overrides server.shutdown-grace-secs).
+    #[arg(long, env = "LEVEE_SHUTDOWN_GRACE_SECS")]
+    shutdown_grace_secs: Option<f64>,
     /// Address to listen on (overrides server.listen).
     #[arg(long, env = "LEVEE_LISTEN")]
     listen: Option<String>,
@@ -44,6 +57,21 @@ fn load_config(args: &ServeArgs) -> anyhow::Result<Config> {
         None if std::path::Path::new("levee.toml").exists() => Config::load(std::path::Path::new("levee.toml"))?,
         None => Config::default(),
     };
+    if let Some(model) = &args.model {
+        config.model.path = model.clone();
+    }
+    if let Some(name) = &args.model_name {
+        config.model.name = Some(name.clone());
+    }
+    if let Some(mib) = args.kv_memory_mib {
+        config.engine.kv_memory_mib = mib;
+    }
+    if let Some(threads) = args.threads {
+        config.engine.threads = threads;
+    }
+    if let Some(grace) = args.shutdown_grace_secs {
+        config.server.shutdown_grace_secs = grace;
+    }
     if let Some(listen) = &args.listen {
         config.server.listen = listen.clone();
     }
@@ -56,21 +84,15 @@ fn load_config(args: &ServeArgs) -> anyhow::Result<Config> {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = load_config(&args)?;
-    let caps = Arc::new(Capabilities::local());
-    let runtime = Arc::new(PluginRuntime::new(&config.plugin_runtime, caps.clone())?);
-    let plugins = PluginSystem::start(runtime, &config.plugin_runtime, config.plugins.clone()).await?;
-    tracing::info!(plugins = config.plugins.len(), "plugin chain loaded");
-    let app = AppState { policies: plugins.policies.clone(), caps };
-    let admin = AdminState {
-        policies: plugins.policies.clone(),
-        reloader: plugins.reloader.clone(),
-        token: config.admin.token.as_deref().map(Arc::from),
-    };
+    let levee = Levee::start(&config).await?;
     let listener = tokio::net::TcpListener::bind(&config.server.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.server.listen))?;
     tracing::info!(addr = %listener.local_addr()?, "listening");
-    server::serve(listener, server::router(app, admin)).await?;
+    let app = levee.app.clone();
+    let grace = Duration::from_secs_f64(config.server.shutdown_grace_secs);
+    server::serve(listener, levee.router(), move || app.draining.store(true, Ordering::Relaxed), grace).await?;
+    tracing::info!("stopped");
     Ok(())
 }
 

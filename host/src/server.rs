@@ -1,31 +1,23 @@
-//! The HTTP server: liveness, Prometheus metrics and the admin API, with
-//! graceful shutdown on SIGTERM or Ctrl-C.
+//! The HTTP server as a whole: the API and admin routers together, the
+//! plugin runtime's metrics, and graceful shutdown on SIGTERM or Ctrl-C.
 
 use crate::admin::{self, AdminState};
+use crate::api::{self, App};
 use crate::capabilities::Capabilities;
+use crate::capabilities::embeddings::MiniLm;
+use crate::coalesce::Flights;
+use crate::config::Config;
 use crate::metrics::header;
+use crate::pipeline::Pipeline;
 use crate::plugins::bindings::Hook;
-use crate::plugins::{FAULT_KINDS, Policies};
+use crate::plugins::{FAULT_KINDS, PluginError, PluginRuntime, PluginSystem, Policies};
+use crate::telemetry::Telemetry;
+use crate::tenancy::Tenancy;
 pub use axum::Router;
-use axum::extract::State;
-use axum::http::header::CONTENT_TYPE;
-use axum::response::IntoResponse;
-use axum::routing::get;
+use levee_gpu::{Engine, EngineConfig, EngineError, KvBudget, Model, ModelError};
 use std::fmt::Write;
 use std::sync::Arc;
-
-/// What the public routes need.
-#[derive(Clone)]
-pub struct AppState {
-    /// The current chain.
-    pub policies: Arc<Policies>,
-    /// Shared host capabilities (plugin metrics).
-    pub caps: Arc<Capabilities>,
-}
-
-async fn health() -> &'static str {
-    "ok"
-}
+use std::time::Duration;
 
 /// Renders the plugin runtime's metrics in Prometheus text format.
 pub fn render_plugin_metrics(policies: &Policies, caps: &Capabilities, out: &mut String) {
@@ -84,19 +76,121 @@ pub fn render_plugin_metrics(policies: &Policies, caps: &Capabilities, out: &mut
     caps.metrics.render(out);
 }
 
-async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    let mut out = String::new();
-    render_plugin_metrics(&state.policies, &state.caps, &mut out);
-    ([(CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The model file is missing or unusable.
+    #[error("model {path}: {source}")]
+    Model {
+        /// The configured path.
+        path: std::path::PathBuf,
+        /// Why.
+        source: ModelError,
+    },
+    /// The model file does not exist.
+    #[error("model file {0} does not exist; run scripts/setup.sh to fetch the default model, or pass --model")]
+    MissingModel(std::path::PathBuf),
+    /// The engine could not start.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// A plugin could not be loaded.
+    #[error(transparent)]
+    Plugins(#[from] PluginError),
+    /// The embedding model could not be loaded.
+    #[error(transparent)]
+    Embeddings(#[from] crate::capabilities::embeddings::EmbeddingError),
 }
 
-/// The whole router.
-pub fn router(app: AppState, admin: AdminState) -> Router {
-    Router::new()
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .with_state(app)
-        .merge(admin::router(admin))
+/// A started server, not yet listening.
+pub struct Levee {
+    /// The API's state.
+    pub app: Arc<App>,
+    /// The admin routes' state.
+    pub admin: AdminState,
+    /// The plugin system (chain and reloader).
+    pub plugins: PluginSystem,
+}
+
+impl Levee {
+    /// Loads the model, starts the engine and the plugin chain from `config`.
+    pub async fn start(config: &Config) -> Result<Self, StartError> {
+        let path = config.model.path.clone();
+        if !path.exists() {
+            return Err(StartError::MissingModel(path));
+        }
+        let load_path = path.clone();
+        let model = tokio::task::spawn_blocking(move || Model::load(&load_path))
+            .await
+            .map_err(|e| StartError::Engine(EngineError::Start(e.to_string())))?
+            .map_err(|source| StartError::Model { path, source })?;
+        let engine = Engine::start(model, engine_config(config))?;
+        let name = config.model.served_name();
+        tracing::info!(model = name, backend = engine.model().backend, context = engine.max_context(), "model loaded");
+
+        let mut caps = Capabilities::local();
+        let embeddings = match &config.embeddings.path {
+            Some(path) => Some(path.clone()),
+            None => Some(std::path::PathBuf::from("models/minilm")).filter(|p| p.exists()),
+        };
+        match embeddings {
+            Some(path) => {
+                let threads = config.embeddings.threads;
+                let model = tokio::task::spawn_blocking(move || MiniLm::shared(&path, threads))
+                    .await
+                    .map_err(|e| StartError::Engine(EngineError::Start(e.to_string())))??;
+                caps.embedder = Some(model);
+                tracing::info!("embedding model loaded");
+            }
+            None => tracing::info!("no embedding model (models/minilm is absent): plugins' embed calls will fail"),
+        }
+        let caps = Arc::new(caps);
+        let runtime = Arc::new(PluginRuntime::new(&config.plugin_runtime, caps.clone())?);
+        let plugins = PluginSystem::start(runtime, &config.plugin_runtime, config.plugins.clone()).await?;
+        tracing::info!(plugins = config.plugins.len(), "plugin chain loaded");
+
+        let pipeline = Pipeline {
+            engine,
+            policies: plugins.policies.clone(),
+            flights: Arc::new(Flights::default()),
+            telemetry: Arc::new(Telemetry::default()),
+            model: name,
+        };
+        let app = Arc::new(App::new(pipeline, Tenancy::new(&config.api_keys), config.server.clone(), caps));
+        let admin = AdminState {
+            policies: plugins.policies.clone(),
+            reloader: plugins.reloader.clone(),
+            token: config.admin.token.as_deref().map(Arc::from),
+        };
+        Ok(Self { app, admin, plugins })
+    }
+
+    /// The router for everything.
+    pub fn router(&self) -> Router {
+        router(self.app.clone(), self.admin.clone())
+    }
+}
+
+/// The engine settings from the configuration.
+pub fn engine_config(config: &Config) -> EngineConfig {
+    let e = &config.engine;
+    EngineConfig {
+        threads: e.threads,
+        kv_budget: KvBudget::Bytes(e.kv_memory_mib << 20),
+        block_size: e.block_size,
+        max_batch_tokens: e.max_batch_tokens,
+        prefill_chunk: e.prefill_chunk,
+        max_running: e.max_running,
+        max_queue_requests: e.max_queue_requests,
+        max_queued_tokens: e.max_queued_tokens,
+        queue_timeout: Duration::from_secs_f64(e.queue_timeout_secs),
+        max_context: e.max_context,
+        ..EngineConfig::default()
+    }
+}
+
+/// The whole router: the API and the admin routes.
+pub fn router(app: Arc<App>, admin: AdminState) -> Router {
+    api::router(app).merge(admin::router(admin))
 }
 
 /// Resolves when SIGTERM or Ctrl-C arrives.
@@ -122,8 +216,30 @@ pub async fn shutdown_signal() {
     tracing::info!("shutdown signal received; finishing in-flight requests");
 }
 
-/// Serves `router` on `listener` until SIGTERM or Ctrl-C, then lets
-/// in-flight requests finish.
-pub async fn serve(listener: tokio::net::TcpListener, router: Router) -> std::io::Result<()> {
-    axum::serve(listener, router).with_graceful_shutdown(shutdown_signal()).await
+/// Serves `router` on `listener` until SIGTERM or Ctrl-C. Then
+/// `on_signal` runs (the API starts draining), the listener closes, and
+/// in-flight requests get up to `grace` to finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    on_signal: impl FnOnce() + Send + 'static,
+    grace: Duration,
+) -> std::io::Result<()> {
+    let signalled = Arc::new(tokio::sync::Notify::new());
+    let notify = signalled.clone();
+    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        on_signal();
+        notify.notify_one();
+    });
+    tokio::select! {
+        result = server => result,
+        _ = async {
+            signalled.notified().await;
+            tokio::time::sleep(grace).await;
+        } => {
+            tracing::warn!("the shutdown grace period of {grace:?} is over; exiting with requests still in flight");
+            Ok(())
+        }
+    }
 }

@@ -13,7 +13,8 @@ pub mod guests {
 }
 
 /// A chain entry for `path` with a JSON `config` (an object), failing open
-/// and enforcing, with a 10 ms budget and a 64 MiB cap.
+/// and enforcing, with a 64 MiB cap and a one-second budget: tests check
+/// decisions, and a loaded CI machine must not turn them into deadline faults.
 pub fn plugin(name: &str, path: impl Into<PathBuf>, config: serde_json::Value) -> PluginConfig {
     let config: toml::Table = match serde_json::from_value(config) {
         Ok(table) => table,
@@ -25,7 +26,7 @@ pub fn plugin(name: &str, path: impl Into<PathBuf>, config: serde_json::Value) -
         config,
         on_fault: OnFault::Open,
         mode: Mode::Enforce,
-        time_budget_ms: 10.0,
+        time_budget_ms: 1000.0,
         memory_mib: 64,
     }
 }
@@ -89,4 +90,65 @@ pub fn signals(load: levee::plugins::bindings::Load) -> levee::plugins::bindings
         current_desired: 1,
         secs_since_change: 0.0,
     }
+}
+
+/// The default model, fetched by `scripts/setup.sh`.
+pub fn model_path() -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(path.exists(), "{} is missing: run scripts/setup.sh first", path.display());
+    path
+}
+
+/// A configuration from TOML (plugins and all), serving the default model
+/// on one thread with a small KV cache.
+pub fn config(toml_text: &str) -> levee::config::Config {
+    let mut config = match levee::config::Config::parse(toml_text) {
+        Ok(config) => config,
+        Err(e) => panic!("test configuration: {e}"),
+    };
+    config.model.path = model_path();
+    config.embeddings.path = Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/minilm"));
+    config.engine.threads = 1;
+    config.engine.kv_memory_mib = 64;
+    config
+}
+
+/// A Levee server on an ephemeral loopback port.
+pub struct TestServer {
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+    /// The running server's parts.
+    pub levee: levee::server::Levee,
+}
+
+impl TestServer {
+    /// Starts everything `config` describes and serves it.
+    pub async fn start(config: levee::config::Config) -> TestServer {
+        let levee = match levee::server::Levee::start(&config).await {
+            Ok(levee) => levee,
+            Err(e) => panic!("server start: {e}"),
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a loopback port");
+        let base = format!("http://{}", listener.local_addr().expect("local address"));
+        let router = levee.router();
+        tokio::spawn(async move { levee::server::serve(listener, router, || {}, std::time::Duration::ZERO).await });
+        TestServer { base, levee }
+    }
+
+    /// `base` + `path`.
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Sequences the engine has started so far.
+    pub fn sequences_started(&self) -> u64 {
+        self.levee.app.pipeline.engine.stats().sequences_started
+    }
+}
+
+/// Serialises the tests that run the model, so that two engines never
+/// share this machine's cores.
+pub async fn exclusive() -> tokio::sync::MutexGuard<'static, ()> {
+    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LOCK.lock().await
 }

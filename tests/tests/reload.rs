@@ -2,9 +2,8 @@
 //! broken replacement that leaves the old version serving, and the admin
 //! routes that list and reload the chain.
 
-use levee::admin::AdminState;
+use levee::admin::{self, AdminState};
 use levee::plugins::bindings::Load;
-use levee::server::{self, AppState};
 use levee_tests::{guests, plugin, request, runtime_settings, start};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -134,7 +133,6 @@ async fn admin_routes_list_and_reload_behind_the_token() {
     let path = dir.join("policy.wasm");
     replace(&path, guests::VERSION_1);
     let (system, caps) = start(vec![plugin("versioned", &path, json!({}))], runtime_settings(false)).await.unwrap();
-    let app = AppState { policies: system.policies.clone(), caps };
     let admin = AdminState {
         policies: system.policies.clone(),
         reloader: system.reloader.clone(),
@@ -142,7 +140,7 @@ async fn admin_routes_list_and_reload_behind_the_token() {
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum_serve(listener, server::router(app, admin)).await });
+    tokio::spawn(async move { levee::server::serve(listener, admin::router(admin), || {}, Duration::ZERO).await });
     let http = reqwest::Client::new();
 
     let anonymous = http.get(format!("{base}/admin/plugins")).send().await.unwrap();
@@ -172,11 +170,8 @@ async fn admin_routes_list_and_reload_behind_the_token() {
     let body: serde_json::Value = rejected.json().await.unwrap();
     assert!(body["error"]["message"].as_str().unwrap().contains("versioned"), "{body}");
 
-    let metrics = http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    let mut metrics = String::new();
+    levee::server::render_plugin_metrics(&system.policies, &caps, &mut metrics);
     assert!(metrics.contains("levee_plugin_calls_total{plugin=\"versioned\",hook=\"admit\"}"), "{metrics}");
     let _ = std::fs::remove_dir_all(dir);
-}
-
-async fn axum_serve(listener: tokio::net::TcpListener, router: levee::server::Router) {
-    let _ = levee::server::serve(listener, router).await;
 }

@@ -5,6 +5,7 @@
 //! namespaced by plugin name before they reach a store.
 
 pub mod bucket;
+pub mod embeddings;
 pub mod kv;
 pub mod metrics;
 pub mod vectors;

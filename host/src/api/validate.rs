@@ -1,0 +1,345 @@
+//! Wire request → `ValidRequest`: prompts rendered and tokenized, every
+//! value checked against its limit, with messages that name the field.
+
+use super::error::ApiError;
+use super::wire::{ChatBody, CommonFields, CompletionBody, MessageContent, PromptInput, StopInput, WireMessage};
+use crate::config::ServerConfig;
+use crate::plugins::bindings::Route;
+use crate::tenancy::Tenant;
+use levee_gpu::{ChatMessage, EngineHandle, SamplingParams};
+
+/// Most log-probability alternatives per token.
+const MAX_LOGPROBS: i64 = 20;
+
+/// One prompt, rendered and tokenized.
+#[derive(Debug, Clone)]
+pub struct Prompt {
+    /// The text the model sees.
+    pub text: String,
+    /// Its tokens.
+    pub tokens: Vec<u32>,
+}
+
+/// A request that passed validation.
+#[derive(Debug, Clone)]
+pub struct ValidRequest {
+    /// Response id (`cmpl-…` or `chatcmpl-…`).
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Route.
+    pub route: Route,
+    /// Model name, as served.
+    pub model: String,
+    /// Prompts (one for chat).
+    pub prompts: Vec<Prompt>,
+    /// Most tokens to generate per choice.
+    pub max_tokens: u32,
+    /// Choices per prompt.
+    pub n: u32,
+    /// Sampling and stop rules.
+    pub sampling: SamplingParams,
+    /// Scheduling priority.
+    pub priority: i32,
+    /// SSE.
+    pub stream: bool,
+    /// Usage in the last SSE chunk.
+    pub include_usage: bool,
+    /// Who is asking.
+    pub tenant: Tenant,
+    /// Headers passed to policies.
+    pub headers: Vec<(String, String)>,
+}
+
+/// Headers that policies may read.
+const POLICY_HEADERS: &[&str] =
+    &["cache-control", "x-levee-cache-ttl", "x-levee-no-cache", "x-request-id", "user-agent", "x-levee-priority"];
+
+/// The subset of request headers passed to policies, lower-case.
+pub fn policy_headers(headers: &axum::http::HeaderMap) -> Vec<(String, String)> {
+    POLICY_HEADERS
+        .iter()
+        .filter_map(|name| headers.get(*name).and_then(|v| v.to_str().ok()).map(|v| (name.to_string(), v.to_string())))
+        .collect()
+}
+
+fn range_f32(param: &str, value: Option<f32>, default: f32, min: f32, max: f32) -> Result<f32, ApiError> {
+    let value = value.unwrap_or(default);
+    if !(value.is_finite() && value >= min && value <= max) {
+        return Err(ApiError::invalid(param, format!("{param} must be between {min} and {max}, got {value}")));
+    }
+    Ok(value)
+}
+
+/// Checks the requested model against the served one.
+pub fn check_model(requested: Option<&str>, served: &str) -> Result<(), ApiError> {
+    match requested {
+        None | Some("") => Ok(()),
+        Some(name) if name == served => Ok(()),
+        Some(name) => Err(ApiError::ModelNotFound(name.to_string())),
+    }
+}
+
+struct Common {
+    max_tokens: Option<u32>,
+    n: u32,
+    sampling: SamplingParams,
+    priority: i32,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn common(fields: &CommonFields, limits: &ServerConfig) -> Result<Common, ApiError> {
+    let max_tokens = match (fields.max_completion_tokens, fields.max_tokens) {
+        (Some(v), _) => Some(("max_completion_tokens", v)),
+        (None, Some(v)) => Some(("max_tokens", v)),
+        (None, None) => None,
+    };
+    let max_tokens = match max_tokens {
+        Some((param, v)) if !(1..=i64::from(u32::MAX)).contains(&v) => {
+            return Err(ApiError::invalid(param, format!("{param} must be at least 1, got {v}")));
+        }
+        Some((_, v)) => Some(v as u32),
+        None => None,
+    };
+    let n = fields.n.unwrap_or(1);
+    if !(1..=i64::from(limits.max_n)).contains(&n) {
+        return Err(ApiError::invalid("n", format!("n must be between 1 and {}, got {n}", limits.max_n)));
+    }
+    let stop = match &fields.stop {
+        None => Vec::new(),
+        Some(StopInput::One(s)) => vec![s.clone()],
+        Some(StopInput::Many(v)) => v.clone(),
+    };
+    if stop.len() > limits.max_stop {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("stop may hold at most {} sequences, got {}", limits.max_stop, stop.len()),
+        ));
+    }
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", "stop sequences must not be empty"));
+    }
+    let top_k = match fields.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if (1..=100_000).contains(&k) => k as usize,
+        Some(k) => {
+            return Err(ApiError::invalid("top_k", format!("top_k must be -1 (off) or between 1 and 100000, got {k}")));
+        }
+    };
+    let seed = match fields.seed {
+        Some(s) if s < 0 => return Err(ApiError::invalid("seed", format!("seed must be ≥ 0, got {s}"))),
+        other => other.map(|s| s as u64),
+    };
+    let priority = match fields.priority {
+        Some(p) if i32::try_from(p).is_err() => {
+            return Err(ApiError::invalid("priority", format!("priority must fit in 32 bits, got {p}")));
+        }
+        other => other.unwrap_or(0) as i32,
+    };
+    let top_p = range_f32("top_p", fields.top_p, 1.0, 0.0, 1.0)?;
+    if top_p == 0.0 {
+        return Err(ApiError::invalid("top_p", "top_p must be greater than 0, got 0"));
+    }
+    let repetition_penalty = fields.repetition_penalty.unwrap_or(1.0);
+    if !(repetition_penalty.is_finite() && repetition_penalty > 0.0 && repetition_penalty <= 10.0) {
+        return Err(ApiError::invalid(
+            "repetition_penalty",
+            format!("repetition_penalty must be > 0 and ≤ 10, got {repetition_penalty}"),
+        ));
+    }
+    let sampling = SamplingParams {
+        temperature: range_f32("temperature", fields.temperature, 1.0, 0.0, 2.0)?,
+        top_k,
+        top_p,
+        seed,
+        repetition_penalty,
+        frequency_penalty: range_f32("frequency_penalty", fields.frequency_penalty, 0.0, -2.0, 2.0)?,
+        presence_penalty: range_f32("presence_penalty", fields.presence_penalty, 0.0, -2.0, 2.0)?,
+        stop,
+        ignore_eos: fields.ignore_eos.unwrap_or(false),
+        ..SamplingParams::default()
+    };
+    let stream = fields.stream.unwrap_or(false);
+    let include_usage = fields.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    if include_usage && !stream {
+        return Err(ApiError::invalid("stream_options", "stream_options is only allowed when stream is true"));
+    }
+    Ok(Common { max_tokens, n: n as u32, sampling, priority, stream, include_usage })
+}
+
+fn logprobs_count(param: &str, value: Option<i64>) -> Result<Option<usize>, ApiError> {
+    match value {
+        None => Ok(None),
+        Some(v) if (0..=MAX_LOGPROBS).contains(&v) => Ok(Some(v as usize)),
+        Some(v) => Err(ApiError::invalid(param, format!("{param} must be between 0 and {MAX_LOGPROBS}, got {v}"))),
+    }
+}
+
+/// Checks the prompt's length against the context and picks `max_tokens`.
+fn fit(engine: &EngineHandle, prompts: &[Prompt], requested: Option<u32>, default: u32) -> Result<u32, ApiError> {
+    let context = engine.max_context();
+    let longest = prompts.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
+    if longest == 0 {
+        return Err(ApiError::invalid("prompt", "the prompt is empty"));
+    }
+    if longest >= context {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!("the prompt has {longest} tokens; this model's context is {context} tokens"),
+        ));
+    }
+    let room = (context - longest) as u32;
+    match requested {
+        Some(m) if m > room => Err(ApiError::invalid(
+            "max_tokens",
+            format!("max_tokens must be ≤ {room} for this prompt ({longest} tokens, context {context}), got {m}"),
+        )),
+        Some(m) => Ok(m),
+        None => Ok(default.min(room)),
+    }
+}
+
+fn new_id(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    format!("{prefix}-{:x}{:04x}", nanos & 0xffff_ffff_ffff, NEXT.fetch_add(1, Ordering::Relaxed) & 0xffff)
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Validates a completions body.
+pub fn completion(
+    fields: CommonFields,
+    body: CompletionBody,
+    engine: &EngineHandle,
+    served: &str,
+    limits: &ServerConfig,
+    tenant: Tenant,
+    headers: Vec<(String, String)>,
+) -> Result<ValidRequest, ApiError> {
+    check_model(fields.model.as_deref(), served)?;
+    let mut c = common(&fields, limits)?;
+    c.sampling.logprobs = logprobs_count("logprobs", body.logprobs)?;
+    let tokenizer = engine.tokenizer();
+    let vocab = tokenizer.vocab_size() as u32;
+    let prompts: Vec<Prompt> = match body.prompt {
+        PromptInput::Text(text) => vec![Prompt { tokens: tokenizer.encode(&text), text }],
+        PromptInput::Texts(texts) => {
+            texts.into_iter().map(|text| Prompt { tokens: tokenizer.encode(&text), text }).collect()
+        }
+        PromptInput::Tokens(tokens) => vec![Prompt { text: tokenizer.decode(&tokens), tokens }],
+        PromptInput::TokenLists(lists) => {
+            lists.into_iter().map(|tokens| Prompt { text: tokenizer.decode(&tokens), tokens }).collect()
+        }
+    };
+    if prompts.is_empty() || prompts.len() > limits.max_prompts {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!("prompt must hold between 1 and {} prompts, got {}", limits.max_prompts, prompts.len()),
+        ));
+    }
+    if let Some(bad) = prompts.iter().flat_map(|p| &p.tokens).find(|t| **t >= vocab) {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!("prompt holds token id {bad}, outside the vocabulary of {vocab} tokens"),
+        ));
+    }
+    let max_tokens = fit(engine, &prompts, c.max_tokens, limits.default_completion_max_tokens)?;
+    Ok(ValidRequest {
+        id: new_id("cmpl"),
+        created: unix_now(),
+        route: Route::Completions,
+        model: served.to_string(),
+        prompts,
+        max_tokens,
+        n: c.n,
+        sampling: c.sampling,
+        priority: c.priority,
+        stream: c.stream,
+        include_usage: c.include_usage,
+        tenant,
+        headers,
+    })
+}
+
+/// Turns wire messages into chat messages.
+pub fn messages(wire: Vec<WireMessage>) -> Result<Vec<ChatMessage>, ApiError> {
+    if wire.is_empty() {
+        return Err(ApiError::invalid("messages", "messages must hold at least one message"));
+    }
+    wire.into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
+                return Err(ApiError::invalid(
+                    &format!("messages[{i}].role"),
+                    format!("messages[{i}].role must be system, developer, user, assistant or tool; got {:?}", m.role),
+                ));
+            }
+            let content = match m.content {
+                None => String::new(),
+                Some(MessageContent::Text(t)) => t,
+                Some(MessageContent::Parts(parts)) => {
+                    let mut text = String::new();
+                    for (j, part) in parts.into_iter().enumerate() {
+                        match (part.kind.as_str(), part.text) {
+                            ("text", Some(t)) => text.push_str(&t),
+                            (kind, _) => {
+                                return Err(ApiError::invalid(
+                                    &format!("messages[{i}].content[{j}]"),
+                                    format!("messages[{i}].content[{j}]: only text parts are supported, got {kind:?}"),
+                                ));
+                            }
+                        }
+                    }
+                    text
+                }
+            };
+            let role = if m.role == "developer" { "system".to_string() } else { m.role };
+            Ok(ChatMessage::new(role, content))
+        })
+        .collect()
+}
+
+/// Validates a chat body.
+pub fn chat(
+    fields: CommonFields,
+    body: ChatBody,
+    engine: &EngineHandle,
+    served: &str,
+    limits: &ServerConfig,
+    tenant: Tenant,
+    headers: Vec<(String, String)>,
+) -> Result<ValidRequest, ApiError> {
+    check_model(fields.model.as_deref(), served)?;
+    let mut c = common(&fields, limits)?;
+    let top = logprobs_count("top_logprobs", body.top_logprobs)?;
+    c.sampling.logprobs = match (body.logprobs.unwrap_or(false), top) {
+        (true, top) => Some(top.unwrap_or(0)),
+        (false, Some(_)) => return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs set to true")),
+        (false, None) => None,
+    };
+    let messages = messages(body.messages)?;
+    let text = engine.render_chat(&messages).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    let prompts = vec![Prompt { tokens: engine.tokenizer().encode(&text), text }];
+    let max_tokens = fit(engine, &prompts, c.max_tokens, limits.default_chat_max_tokens)?;
+    Ok(ValidRequest {
+        id: new_id("chatcmpl"),
+        created: unix_now(),
+        route: Route::Chat,
+        model: served.to_string(),
+        prompts,
+        max_tokens,
+        n: c.n,
+        sampling: c.sampling,
+        priority: c.priority,
+        stream: c.stream,
+        include_usage: c.include_usage,
+        tenant,
+        headers,
+    })
+}
