@@ -94,6 +94,11 @@ pub struct Plan {
     pub started: Instant,
 }
 
+/// The first `n` choices of a cache hit, answering prompt `prompt`.
+fn cached_choices(hit: wit::CacheHit, prompt: usize, n: u32) -> impl Iterator<Item = PlannedChoice> {
+    hit.response.choices.into_iter().take(n as usize).map(move |c| PlannedChoice { prompt, source: Source::Cached(c) })
+}
+
 fn record(request: &ValidRequest, prompt: usize) -> wit::Request {
     let p = &request.prompts[prompt];
     wit::Request {
@@ -162,13 +167,7 @@ impl Pipeline {
             }
             if let Some((plugin, hit)) = self.lookup(&chain, &rec, request.n).await? {
                 cache_hit = Some((plugin, hit.similarity));
-                choices.extend(
-                    hit.response
-                        .choices
-                        .into_iter()
-                        .take(request.n as usize)
-                        .map(|c| PlannedChoice { prompt, source: Source::Cached(c) }),
-                );
+                choices.extend(cached_choices(hit, prompt, request.n));
                 records.push(rec);
                 continue;
             }
@@ -206,13 +205,7 @@ impl Pipeline {
                 rec.min_similarity = Some(floor);
                 if let Some((plugin, hit)) = self.lookup(&chain, &rec, request.n).await? {
                     cache_hit = Some((plugin, hit.similarity));
-                    choices.extend(
-                        hit.response
-                            .choices
-                            .into_iter()
-                            .take(request.n as usize)
-                            .map(|c| PlannedChoice { prompt, source: Source::Cached(c) }),
-                    );
+                    choices.extend(cached_choices(hit, prompt, request.n));
                     records.push(rec);
                     continue;
                 }

@@ -76,12 +76,24 @@ impl App {
 
 type AppState = State<Arc<App>>;
 
-fn body_error(e: axum::extract::rejection::BytesRejection, limit: usize) -> ApiError {
-    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        ApiError::BodyTooLarge(limit)
-    } else {
-        ApiError::invalid("body", e.body_text())
-    }
+/// A request body as axum hands it over (too large, or not readable).
+type Body = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+/// The body's bytes, or 413 / 400.
+fn body_bytes(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::BodyTooLarge(limit)
+        } else {
+            ApiError::invalid("body", e.body_text())
+        }
+    })
+}
+
+/// Checks the caller's API key, reads the body and parses it as `T`.
+fn authorized<T: serde::de::DeserializeOwned>(app: &App, headers: &HeaderMap, body: Body) -> Result<T, ApiError> {
+    app.tenancy.resolve(headers)?;
+    wire::parse(&body_bytes(body, app.limits.max_body_bytes)?)
 }
 
 async fn answered(app: &App, route: &'static str, started: Instant, result: Result<Response, ApiError>) -> Response {
@@ -90,18 +102,13 @@ async fn answered(app: &App, route: &'static str, started: Instant, result: Resu
     response
 }
 
-async fn generate(
-    app: Arc<App>,
-    headers: HeaderMap,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-    chat: bool,
-) -> Result<Response, ApiError> {
+async fn generate(app: Arc<App>, headers: HeaderMap, body: Body, chat: bool) -> Result<Response, ApiError> {
     if app.draining.load(Ordering::Relaxed) {
         return Err(ApiError::Unavailable("the server is shutting down".into()));
     }
     app.pipeline.telemetry.arrival();
     let tenant = app.tenancy.resolve(&headers)?;
-    let body = body.map_err(|e| body_error(e, app.limits.max_body_bytes))?;
+    let body = body_bytes(body, app.limits.max_body_bytes)?;
     let policy_headers = validate::policy_headers(&headers);
     let engine = &app.pipeline.engine;
     let request = if chat {
@@ -136,21 +143,13 @@ async fn generate(
     }
 }
 
-async fn completions(
-    State(app): AppState,
-    headers: HeaderMap,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
+async fn completions(State(app): AppState, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
     let result = generate(app.clone(), headers, body, false).await;
     answered(&app, "/v1/completions", started, result).await
 }
 
-async fn chat_completions(
-    State(app): AppState,
-    headers: HeaderMap,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
+async fn chat_completions(State(app): AppState, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
     let result = generate(app.clone(), headers, body, true).await;
     answered(&app, "/v1/chat/completions", started, result).await
@@ -170,15 +169,10 @@ async fn models(State(app): AppState, headers: HeaderMap) -> Response {
     answered(&app, "/v1/models", started, result).await
 }
 
-async fn tokenize(
-    State(app): AppState,
-    headers: HeaderMap,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
+async fn tokenize(State(app): AppState, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
     let result = (|| {
-        app.tenancy.resolve(&headers)?;
-        let body: wire::TokenizeBody = wire::parse(&body.map_err(|e| body_error(e, app.limits.max_body_bytes))?)?;
+        let body: wire::TokenizeBody = authorized(&app, &headers, body)?;
         validate::check_model(body.model.as_deref(), &app.pipeline.model)?;
         let engine = &app.pipeline.engine;
         let text = match (body.prompt, body.messages) {
@@ -195,15 +189,10 @@ async fn tokenize(
     answered(&app, "/tokenize", started, result).await
 }
 
-async fn detokenize(
-    State(app): AppState,
-    headers: HeaderMap,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
+async fn detokenize(State(app): AppState, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
     let result = (|| {
-        app.tenancy.resolve(&headers)?;
-        let body: wire::DetokenizeBody = wire::parse(&body.map_err(|e| body_error(e, app.limits.max_body_bytes))?)?;
+        let body: wire::DetokenizeBody = authorized(&app, &headers, body)?;
         validate::check_model(body.model.as_deref(), &app.pipeline.model)?;
         let tokenizer = app.pipeline.engine.tokenizer();
         let vocab = tokenizer.vocab_size() as u32;

@@ -168,6 +168,38 @@ fn common(fields: &CommonFields, limits: &ServerConfig) -> Result<Common, ApiErr
     Ok(Common { max_tokens, n: n as u32, sampling, priority, stream, include_usage })
 }
 
+impl Common {
+    fn into_request(
+        self,
+        route: Route,
+        served: &str,
+        prompts: Vec<Prompt>,
+        max_tokens: u32,
+        tenant: Tenant,
+        headers: Vec<(String, String)>,
+    ) -> ValidRequest {
+        let prefix = match route {
+            Route::Completions => "cmpl",
+            Route::Chat => "chatcmpl",
+        };
+        ValidRequest {
+            id: new_id(prefix),
+            created: unix_now(),
+            route,
+            model: served.to_string(),
+            prompts,
+            max_tokens,
+            n: self.n,
+            sampling: self.sampling,
+            priority: self.priority,
+            stream: self.stream,
+            include_usage: self.include_usage,
+            tenant,
+            headers,
+        }
+    }
+}
+
 fn logprobs_count(param: &str, value: Option<i64>) -> Result<Option<usize>, ApiError> {
     match value {
         None => Ok(None),
@@ -249,21 +281,7 @@ pub fn completion(
         ));
     }
     let max_tokens = fit(engine, &prompts, c.max_tokens, limits.default_completion_max_tokens)?;
-    Ok(ValidRequest {
-        id: new_id("cmpl"),
-        created: unix_now(),
-        route: Route::Completions,
-        model: served.to_string(),
-        prompts,
-        max_tokens,
-        n: c.n,
-        sampling: c.sampling,
-        priority: c.priority,
-        stream: c.stream,
-        include_usage: c.include_usage,
-        tenant,
-        headers,
-    })
+    Ok(c.into_request(Route::Completions, served, prompts, max_tokens, tenant, headers))
 }
 
 /// Turns wire messages into chat messages.
@@ -327,19 +345,5 @@ pub fn chat(
     let text = engine.render_chat(&messages).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
     let prompts = vec![Prompt { tokens: engine.tokenizer().encode(&text), text }];
     let max_tokens = fit(engine, &prompts, c.max_tokens, limits.default_chat_max_tokens)?;
-    Ok(ValidRequest {
-        id: new_id("chatcmpl"),
-        created: unix_now(),
-        route: Route::Chat,
-        model: served.to_string(),
-        prompts,
-        max_tokens,
-        n: c.n,
-        sampling: c.sampling,
-        priority: c.priority,
-        stream: c.stream,
-        include_usage: c.include_usage,
-        tenant,
-        headers,
-    })
+    Ok(c.into_request(Route::Chat, served, prompts, max_tokens, tenant, headers))
 }
