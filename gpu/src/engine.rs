@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use crate::backend::{self, BackendError, BackendKind};
+use crate::backend::{self, BackendError, BackendKind, BackendOptions};
 use crate::batcher::{self, Command, Submitted};
 use crate::kv::{KvBudget, KvLayout};
 use crate::model::{ChatMessage, Model, ModelConfig, Tokenizer};
@@ -16,12 +16,17 @@ use crate::stats::{EngineStats, SharedStats};
 /// How the engine schedules and how much memory it may use.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
-    /// Which backend runs the model.
+    /// Which backend runs the model (`--device`): CUDA when asked, or by
+    /// default when a device is usable, else the CPU.
     pub backend: BackendKind,
-    /// Compute threads; 0 uses every core.
+    /// Compute threads of the CPU backend; 0 uses every core.
     pub threads: usize,
     /// KV cache memory.
     pub kv_budget: KvBudget,
+    /// On the CUDA backend: when set, the KV cache takes this fraction, in
+    /// (0, 1], of the device memory still free once weights and workspace are
+    /// allocated, and `kv_budget` is ignored. The CPU backend ignores it.
+    pub kv_device_fraction: Option<f32>,
     /// Token positions per KV block.
     pub block_size: usize,
     /// Most tokens (prefill and decode together) in one step.
@@ -43,9 +48,10 @@ pub struct EngineConfig {
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
-            backend: BackendKind::Cpu,
+            backend: BackendKind::Auto,
             threads: 0,
             kv_budget: KvBudget::Bytes(512 << 20),
+            kv_device_fraction: None,
             block_size: 16,
             max_batch_tokens: 512,
             prefill_chunk: 256,
@@ -135,18 +141,26 @@ impl Engine {
         } else {
             config.threads
         };
-        let layout = KvLayout::new(&model.config, config.block_size, config.kv_budget).ok_or_else(|| {
-            EngineError::Start(format!(
-                "KV budget {:?} holds no block of {} positions",
-                config.kv_budget, config.block_size
-            ))
-        })?;
         if config.max_batch_tokens == 0 || config.prefill_chunk == 0 || config.max_running == 0 {
             return Err(EngineError::Start(
                 "max_batch_tokens, prefill_chunk and max_running must be at least 1".into(),
             ));
         }
-        let backend = backend::create(config.backend, &model, &layout, threads)?;
+        if let Some(f) = config.kv_device_fraction
+            && !(f > 0.0 && f <= 1.0)
+        {
+            return Err(EngineError::Start(format!("kv_device_fraction must be in (0, 1], got {f}")));
+        }
+        let options = BackendOptions {
+            kind: config.backend,
+            threads,
+            kv_budget: config.kv_budget,
+            kv_device_fraction: config.kv_device_fraction,
+            block_size: config.block_size,
+            max_batch_tokens: config.max_batch_tokens,
+            max_seqs: config.max_running,
+        };
+        let backend::Started { backend, layout, choice } = backend::start(&model, &options)?;
         let max_context = config.max_context.unwrap_or(model.config.max_context).min(model.config.max_context);
         let shared = Arc::new(Shared {
             queue: Mutex::new(QueueCounts::default()),
@@ -160,6 +174,7 @@ impl Engine {
             source: model.source,
             chat_template: model.chat_template,
             backend: backend.name(),
+            device_choice: choice,
         });
         let loop_state = batcher::Batcher::new(
             backend,
@@ -186,8 +201,11 @@ pub struct ModelInfo {
     pub source: String,
     /// Chat template.
     pub chat_template: crate::model::ChatTemplate,
-    /// Backend description.
+    /// Backend description (`cpu (Avx2, 8 threads)`, `cuda:0 (NVIDIA H200, sm_90, 143771 MiB, bf16)`).
     pub backend: String,
+    /// Which backend `--device` chose and why (`cpu (--device auto: no CUDA
+    /// driver (libcuda.so could not be loaded), so the CPU backend runs)`), for the start-up log.
+    pub device_choice: String,
 }
 
 /// A cheap, cloneable handle to a running engine.

@@ -24,13 +24,26 @@ pub struct KvLayout {
     pub block_bytes: usize,
 }
 
-/// Bytes one stored element takes (keys and values are kept as `f32`).
+/// Bytes one stored element takes on the CPU backend (keys and values are kept as `f32`).
 pub const KV_ELEM_BYTES: usize = 4;
 
 impl KvLayout {
-    /// The layout `budget` allows for `config`, or `None` if it holds no block.
+    /// The layout `budget` allows for `config` with `f32` elements (the CPU
+    /// backend's), or `None` if it holds no block.
     pub fn new(config: &ModelConfig, block_size: usize, budget: KvBudget) -> Option<KvLayout> {
-        let block_bytes = config.n_layers * 2 * config.kv_width() * block_size.max(1) * KV_ELEM_BYTES;
+        KvLayout::with_elem_bytes(config, block_size, budget, KV_ELEM_BYTES)
+    }
+
+    /// The layout `budget` allows for `config` when one stored key or value
+    /// element takes `elem_bytes` (2 on the CUDA backend), or `None` if it
+    /// holds no block.
+    pub fn with_elem_bytes(
+        config: &ModelConfig,
+        block_size: usize,
+        budget: KvBudget,
+        elem_bytes: usize,
+    ) -> Option<KvLayout> {
+        let block_bytes = config.n_layers * 2 * config.kv_width() * block_size.max(1) * elem_bytes;
         let num_blocks = match budget {
             KvBudget::Bytes(b) => b / block_bytes.max(1),
             KvBudget::Blocks(n) => n,

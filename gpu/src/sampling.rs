@@ -139,6 +139,21 @@ impl Sampler {
         &self.params
     }
 
+    /// Whether this sampler takes the largest logit and nothing else (no
+    /// penalty, no log-probabilities), so that a backend may pick the token
+    /// where the logits are (see `Backend::forward_greedy`).
+    pub fn is_plain_greedy(&self) -> bool {
+        (self.params.temperature <= 0.0 || self.params.top_k == 1)
+            && !self.params.penalized()
+            && self.params.logprobs.is_none()
+    }
+
+    /// Records a token chosen elsewhere (by a backend's greedy pick) as
+    /// [`Sampler::sample`] records its own.
+    pub fn record(&mut self, token: u32) {
+        *self.generated.entry(token).or_insert(0) += 1;
+    }
+
     /// Chooses the next token from `logits` (which it may modify) and
     /// records it for the penalties.
     pub fn sample(&mut self, logits: &mut [f32]) -> (u32, Option<Logprobs>) {
@@ -153,7 +168,7 @@ impl Sampler {
         }
         let token =
             if self.params.temperature <= 0.0 || self.params.top_k == 1 { argmax(logits) } else { self.draw(logits) };
-        *self.generated.entry(token).or_insert(0) += 1;
+        self.record(token);
         let logprobs = raw.map(|(raw, lse)| Logprobs { logprob: raw[token as usize] - lse, top });
         (token, logprobs)
     }
@@ -298,6 +313,16 @@ mod tests {
         assert_eq!(lp.top.len(), 3);
         assert_eq!(lp.top[0].0, t);
         assert!(lp.logprob < 0.0 && (lp.logprob - lp.top[0].1).abs() < 1e-6);
+    }
+
+    #[test]
+    fn only_unpenalized_greedy_without_logprobs_is_plain() {
+        let plain = |p: SamplingParams| Sampler::new(p, &[], 0).is_plain_greedy();
+        assert!(plain(SamplingParams::greedy()));
+        assert!(plain(SamplingParams { temperature: 0.7, top_k: 1, ..SamplingParams::default() }));
+        assert!(!plain(SamplingParams { logprobs: Some(0), ..SamplingParams::default() }));
+        assert!(!plain(SamplingParams { repetition_penalty: 1.1, ..SamplingParams::default() }));
+        assert!(!plain(SamplingParams { temperature: 0.7, ..SamplingParams::default() }));
     }
 
     #[test]

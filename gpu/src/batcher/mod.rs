@@ -50,6 +50,8 @@ pub(crate) struct Batcher {
     arrivals: u64,
     admissions: u64,
     logits: Vec<f32>,
+    /// Tokens the backend picked, for steps where every sequence is plain greedy.
+    picked: Vec<u32>,
     rates: RateWindow,
     seed_base: u64,
 }
@@ -79,6 +81,7 @@ impl Batcher {
             arrivals: 0,
             admissions: 0,
             logits: Vec::new(),
+            picked: Vec::new(),
             rates: RateWindow::default(),
             seed_base,
         }
@@ -249,7 +252,18 @@ impl Batcher {
             self.publish(started, scheduled.preemptions, scheduled.started, 0, 0);
             return false;
         }
-        let result = self.backend.forward(&batch, &mut self.logits);
+        // Only token ids need come back when every sequence sampling this step is plain greedy.
+        let greedy = self.backend.has_device_greedy()
+            && self
+                .running
+                .iter()
+                .filter(|s| s.planned > 0 && s.computed + s.planned == s.tokens.len())
+                .all(|s| s.is_plain_greedy());
+        let result = if greedy {
+            self.backend.forward_greedy(&batch, &mut self.picked)
+        } else {
+            self.backend.forward(&batch, &mut self.logits)
+        };
         drop(batch);
         if let Err(e) = result {
             let message = e.to_string();
@@ -275,10 +289,14 @@ impl Batcher {
                 i += 1;
                 continue;
             }
-            let logits = &mut self.logits[row * self.vocab..(row + 1) * self.vocab];
+            let finished = if greedy {
+                s.accept_picked(&self.tokenizer, self.picked[row])
+            } else {
+                s.accept(&self.tokenizer, &mut self.logits[row * self.vocab..(row + 1) * self.vocab])
+            };
             row += 1;
             sampled += 1;
-            match s.accept(&self.tokenizer, logits) {
+            match finished {
                 Some(reason) => {
                     let mut s = self.running.remove(i);
                     s.table.release(&mut self.pool);

@@ -10,7 +10,7 @@ use crate::engine::EngineError;
 use crate::kv::BlockTable;
 use crate::model::{Decoder, Tokenizer};
 use crate::request::{Completion, FinishReason, GeneratedToken, Timing, TokenEvent, Usage};
-use crate::sampling::Sampler;
+use crate::sampling::{Logprobs, Sampler};
 
 /// Where a sequence's events go.
 pub(crate) type Events = UnboundedSender<Result<TokenEvent, EngineError>>;
@@ -97,10 +97,26 @@ impl Sequence {
         self.tokens.len() - self.prompt_len
     }
 
+    /// Whether the next token is simply the largest logit (a backend may pick it).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.sampler.is_plain_greedy()
+    }
+
     /// Samples the next token from `logits`, streams its text, and says
     /// whether the sequence has finished.
     pub fn accept(&mut self, tokenizer: &Tokenizer, logits: &mut [f32]) -> Option<FinishReason> {
         let (id, logprobs) = self.sampler.sample(logits);
+        self.push(tokenizer, id, logprobs)
+    }
+
+    /// Takes `id`, picked by the backend for a plain greedy sequence, as
+    /// [`Sequence::accept`] takes a sampled token.
+    pub fn accept_picked(&mut self, tokenizer: &Tokenizer, id: u32) -> Option<FinishReason> {
+        self.sampler.record(id);
+        self.push(tokenizer, id, None)
+    }
+
+    fn push(&mut self, tokenizer: &Tokenizer, id: u32, logprobs: Option<Logprobs>) -> Option<FinishReason> {
         self.tokens.push(id);
         let now = Instant::now();
         self.first_token.get_or_insert(now);

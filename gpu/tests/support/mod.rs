@@ -8,9 +8,14 @@ use std::sync::{Arc, OnceLock};
 
 use levee_gpu::Model;
 
-/// Path of the default model, fetched by `scripts/fetch-model.sh`.
+/// Path of the default model, fetched by `scripts/fetch-model.sh`, or
+/// `LEVEE_MODEL` when set (test binaries run on another machine, see
+/// `scripts/gpu/run.sh`).
 pub fn model_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    match std::env::var_os("LEVEE_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    }
 }
 
 /// Loads the default model, failing with the command that fetches it.
@@ -29,9 +34,11 @@ pub fn shared_model() -> Arc<Model> {
     MODEL.get_or_init(|| Arc::new(load_model())).clone()
 }
 
-/// An engine configuration sized for tests on a small machine.
+/// An engine configuration sized for tests on a small machine, on the CPU
+/// backend (whose results do not depend on the batch; `tests/cuda.rs` covers CUDA).
 pub fn small_config() -> levee_gpu::EngineConfig {
     levee_gpu::EngineConfig {
+        backend: levee_gpu::BackendKind::Cpu,
         threads: 2,
         kv_budget: levee_gpu::KvBudget::Blocks(256),
         ..levee_gpu::EngineConfig::default()

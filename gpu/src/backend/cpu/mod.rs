@@ -123,27 +123,6 @@ impl CpuBackend {
             scratch: Scratch::default(),
         })
     }
-
-    fn check(&self, batch: &StepBatch<'_>) -> Result<(), BackendError> {
-        for s in &batch.seqs {
-            let end = s.start_pos + s.tokens.len();
-            if end > self.rope.positions() {
-                return Err(BackendError::InvalidStep(format!(
-                    "position {end} is past the model's context of {}",
-                    self.rope.positions()
-                )));
-            }
-            if s.block_table.len() * self.layout.block_size < end
-                || s.block_table.iter().any(|&b| b as usize >= self.layout.num_blocks)
-            {
-                return Err(BackendError::InvalidStep(format!("block table does not cover {end} positions")));
-            }
-            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-                return Err(BackendError::InvalidStep(format!("token id {t} is outside the vocabulary")));
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Backend for CpuBackend {
@@ -152,7 +131,7 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, batch: &StepBatch<'_>, logits: &mut Vec<f32>) -> Result<(), BackendError> {
-        self.check(batch)?;
+        batch.validate(&self.layout, self.rope.positions(), self.config.vocab_size)?;
         let CpuBackend { config, isa, pool, weights, rope, layout, k_cache, v_cache, scratch } = self;
         let step = Step { c: config, isa: *isa, w: weights, rope, layout, batch };
         pool.install(|| step.run(k_cache, v_cache, scratch, logits));
