@@ -26,6 +26,8 @@ pub struct Config {
     pub plugin_runtime: PluginRuntimeConfig,
     /// The policy chain, in call order.
     pub plugins: Vec<PluginConfig>,
+    /// Where plugin state lives: this process alone, or Redis shared by replicas.
+    pub shared_state: SharedStateConfig,
 }
 
 /// HTTP listener settings and limits on what one request may ask for.
@@ -211,6 +213,62 @@ impl Default for PluginRuntimeConfig {
     }
 }
 
+/// Where the key-value, token-bucket and vector capabilities keep their state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StateBackend {
+    /// In this process only.
+    #[default]
+    Local,
+    /// In Redis, shared by every replica that names the same server.
+    Redis,
+}
+
+/// What a capability call does while Redis cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RedisErrorRule {
+    /// Serve the call from this replica's local stores (limits become per replica).
+    #[default]
+    Open,
+    /// Fail the call; the plugin applies its own rule for store errors.
+    Closed,
+}
+
+/// State shared between replicas.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
+pub struct SharedStateConfig {
+    /// `local` or `redis`.
+    pub backend: StateBackend,
+    /// Redis URL, `redis://host:port/db`.
+    pub redis_url: String,
+    /// Rule for calls made while Redis is unreachable.
+    pub on_redis_error: RedisErrorRule,
+    /// Longest wait for one Redis round trip, in milliseconds.
+    pub timeout_ms: u64,
+    /// After Redis failed, calls skip it for this long before trying again, in milliseconds.
+    pub retry_interval_ms: u64,
+    /// Prefix of every key Levee writes, so that deployments can share one Redis.
+    pub key_prefix: String,
+    /// Length the shared vector stream is trimmed to (approximately).
+    pub vector_stream_max_entries: usize,
+}
+
+impl Default for SharedStateConfig {
+    fn default() -> Self {
+        Self {
+            backend: StateBackend::Local,
+            redis_url: "redis://127.0.0.1:6379/0".to_string(),
+            on_redis_error: RedisErrorRule::Open,
+            timeout_ms: 50,
+            retry_interval_ms: 1000,
+            key_prefix: "levee:".to_string(),
+            vector_stream_max_entries: 100_000,
+        }
+    }
+}
+
 /// What the host does when a plugin faults (trap, deadline, memory cap,
 /// malformed decision) or is quarantined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
@@ -377,6 +435,22 @@ impl Config {
         }
         if runtime.max_instances == 0 {
             return Err(ConfigError::Invalid("plugin-runtime.max-instances must be at least 1".into()));
+        }
+        let shared = &self.shared_state;
+        if !(1..=60_000).contains(&shared.timeout_ms) || !(10..=600_000).contains(&shared.retry_interval_ms) {
+            return Err(ConfigError::Invalid(format!(
+                "shared-state.timeout-ms must be between 1 and 60000 and shared-state.retry-interval-ms between 10 and 600000; got {} and {}",
+                shared.timeout_ms, shared.retry_interval_ms
+            )));
+        }
+        if shared.backend == StateBackend::Redis && !shared.redis_url.starts_with("redis://") {
+            return Err(ConfigError::Invalid(format!(
+                "shared-state.redis-url must start with redis://, got {:?}",
+                shared.redis_url
+            )));
+        }
+        if shared.vector_stream_max_entries == 0 {
+            return Err(ConfigError::Invalid("shared-state.vector-stream-max-entries must be at least 1".into()));
         }
         let mut names = std::collections::HashSet::new();
         for (i, plugin) in self.plugins.iter().enumerate() {

@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod api;
 pub mod capabilities;
+pub mod cli;
 pub mod coalesce;
 pub mod config;
 pub mod metrics;

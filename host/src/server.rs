@@ -5,6 +5,7 @@ use crate::admin::{self, AdminState};
 use crate::api::{self, App};
 use crate::capabilities::Capabilities;
 use crate::capabilities::embeddings::MiniLm;
+use crate::capabilities::shared::SharedState;
 use crate::coalesce::Flights;
 use crate::config::Config;
 use crate::metrics::header;
@@ -74,6 +75,20 @@ pub fn render_plugin_metrics(policies: &Policies, caps: &Capabilities, out: &mut
         }
     }
     caps.metrics.render(out);
+    if let Some(shared) = &caps.shared {
+        let stats = &shared.stats;
+        let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+        header(out, "levee_redis_up", "gauge", "1 while the last call reached Redis.");
+        let _ = writeln!(out, "levee_redis_up {}", u8::from(shared.is_up()));
+        header(out, "levee_redis_errors_total", "counter", "Calls that found Redis unreachable or slow.");
+        let _ = writeln!(out, "levee_redis_errors_total {}", load(&stats.errors));
+        header(out, "levee_redis_fallbacks_total", "counter", "Calls served locally while Redis was unreachable.");
+        let _ = writeln!(out, "levee_redis_fallbacks_total {}", load(&stats.fallbacks));
+        header(out, "levee_redis_refusals_total", "counter", "Calls failed while Redis was unreachable (rule closed).");
+        let _ = writeln!(out, "levee_redis_refusals_total {}", load(&stats.refusals));
+        header(out, "levee_vectors_followed_total", "counter", "Vector entries indexed from other replicas.");
+        let _ = writeln!(out, "levee_vectors_followed_total {}", load(&stats.vectors_followed));
+    }
 }
 
 /// Why the server could not start.
@@ -99,6 +114,9 @@ pub enum StartError {
     /// The embedding model could not be loaded.
     #[error(transparent)]
     Embeddings(#[from] crate::capabilities::embeddings::EmbeddingError),
+    /// The shared-state settings are unusable.
+    #[error("{0}")]
+    SharedState(String),
 }
 
 /// A started server, not yet listening.
@@ -143,7 +161,16 @@ impl Levee {
             }
             None => tracing::info!("no embedding model (models/minilm is absent): plugins' embed calls will fail"),
         }
+        if config.shared_state.backend == crate::config::StateBackend::Redis {
+            let shared = SharedState::new(&config.shared_state).map_err(StartError::SharedState)?;
+            match shared.kv_get("levee:ping").await {
+                Ok(_) => tracing::info!(url = config.shared_state.redis_url, "shared state in redis"),
+                Err(e) => tracing::warn!(url = config.shared_state.redis_url, "redis not reachable at start: {e:?}"),
+            }
+            caps.shared = Some(Arc::new(shared));
+        }
         let caps = Arc::new(caps);
+        caps.start_sharing();
         let runtime = Arc::new(PluginRuntime::new(&config.plugin_runtime, caps.clone())?);
         let plugins = PluginSystem::start(runtime, &config.plugin_runtime, config.plugins.clone()).await?;
         tracing::info!(plugins = config.plugins.len(), "plugin chain loaded");
