@@ -91,7 +91,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(addr = %listener.local_addr()?, "listening");
     let app = levee.app.clone();
     let grace = Duration::from_secs_f64(config.server.shutdown_grace_secs);
-    server::serve(listener, levee.router(), move || app.draining.store(true, Ordering::Relaxed), grace).await?;
+    let drain_app = app.clone();
+    server::serve(listener, levee.router(), move || drain_app.draining.store(true, Ordering::Relaxed), grace).await?;
+    app.scaling.leave().await;
     tracing::info!("stopped");
     Ok(())
 }

@@ -28,6 +28,8 @@ pub struct Config {
     pub plugins: Vec<PluginConfig>,
     /// Where plugin state lives: this process alone, or Redis shared by replicas.
     pub shared_state: SharedStateConfig,
+    /// The scale ticker and its outputs.
+    pub scaling: ScalingConfig,
 }
 
 /// HTTP listener settings and limits on what one request may ask for.
@@ -269,6 +271,49 @@ impl Default for SharedStateConfig {
     }
 }
 
+/// The scale ticker: how often it decides and what it tells the orchestrator.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
+pub struct ScalingConfig {
+    /// Time between two scale decisions, in milliseconds.
+    pub interval_ms: u64,
+    /// Window of the arrival and completion rates and of the trends, in seconds.
+    pub window_secs: f64,
+    /// Time a new replica takes to become ready, in seconds (the autoscaler predicts this far ahead).
+    pub warmup_secs: f64,
+    /// A command run with the desired count when it changes (sites without Kubernetes).
+    pub actuator: Option<ActuatorConfig>,
+}
+
+impl Default for ScalingConfig {
+    fn default() -> Self {
+        Self { interval_ms: 1000, window_secs: 30.0, warmup_secs: 60.0, actuator: None }
+    }
+}
+
+/// The command actuator.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ActuatorConfig {
+    /// Program and arguments; `{replicas}` in any argument becomes the desired count
+    /// (also passed as `LEVEE_DESIRED_REPLICAS`).
+    pub command: Vec<String>,
+    /// Least time between two runs, in seconds.
+    #[serde(default = "default_actuator_interval")]
+    pub min_interval_secs: f64,
+    /// A run that takes longer is killed and counted as failed, in seconds.
+    #[serde(default = "default_actuator_timeout")]
+    pub timeout_secs: f64,
+}
+
+fn default_actuator_interval() -> f64 {
+    30.0
+}
+
+fn default_actuator_timeout() -> f64 {
+    60.0
+}
+
 /// What the host does when a plugin faults (trap, deadline, memory cap,
 /// malformed decision) or is quarantined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
@@ -451,6 +496,32 @@ impl Config {
         }
         if shared.vector_stream_max_entries == 0 {
             return Err(ConfigError::Invalid("shared-state.vector-stream-max-entries must be at least 1".into()));
+        }
+        let scaling = &self.scaling;
+        if !(50..=600_000).contains(&scaling.interval_ms) {
+            return Err(ConfigError::Invalid(format!(
+                "scaling.interval-ms must be between 50 and 600000, got {}",
+                scaling.interval_ms
+            )));
+        }
+        if !(scaling.window_secs > 0.0 && scaling.window_secs <= 3600.0)
+            || !(scaling.warmup_secs >= 0.0 && scaling.warmup_secs <= 3600.0)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "scaling.window-secs must be in (0, 3600] and scaling.warmup-secs in [0, 3600]; got {} and {}",
+                scaling.window_secs, scaling.warmup_secs
+            )));
+        }
+        if let Some(actuator) = &scaling.actuator {
+            if actuator.command.first().is_none_or(|p| p.is_empty()) {
+                return Err(ConfigError::Invalid("scaling.actuator.command must name a program".into()));
+            }
+            if !(actuator.min_interval_secs >= 0.0 && actuator.timeout_secs > 0.0 && actuator.timeout_secs <= 3600.0) {
+                return Err(ConfigError::Invalid(format!(
+                    "scaling.actuator.min-interval-secs must be ≥ 0 and timeout-secs in (0, 3600]; got {} and {}",
+                    actuator.min_interval_secs, actuator.timeout_secs
+                )));
+            }
         }
         let mut names = std::collections::HashSet::new();
         for (i, plugin) in self.plugins.iter().enumerate() {

@@ -10,6 +10,7 @@ pub mod config;
 pub mod metrics;
 pub mod pipeline;
 pub mod plugins;
+pub mod scaling;
 pub mod server;
 pub mod telemetry;
 pub mod tenancy;

@@ -6,6 +6,7 @@ use crate::api::{self, App};
 use crate::capabilities::Capabilities;
 use crate::capabilities::embeddings::MiniLm;
 use crate::capabilities::shared::SharedState;
+use crate::scaling::{Scaler, Sources};
 use crate::coalesce::Flights;
 use crate::config::Config;
 use crate::metrics::header;
@@ -18,6 +19,7 @@ pub use axum::Router;
 use levee_gpu::{Engine, EngineConfig, EngineError, KvBudget, Model, ModelError};
 use std::fmt::Write;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// Renders the plugin runtime's metrics in Prometheus text format.
@@ -182,7 +184,16 @@ impl Levee {
             telemetry: Arc::new(Telemetry::default()),
             model: name,
         };
-        let app = Arc::new(App::new(pipeline, Tenancy::new(&config.api_keys), config.server.clone(), caps));
+        let scaler = Arc::new(Scaler::new(config.scaling.clone(), caps.shared.clone()));
+        let sources = Sources {
+            engine: pipeline.engine.clone(),
+            telemetry: pipeline.telemetry.clone(),
+            policies: pipeline.policies.clone(),
+        };
+        let app =
+            Arc::new(App::new(pipeline, Tenancy::new(&config.api_keys), config.server.clone(), caps, scaler.clone()));
+        let weak = Arc::downgrade(&app);
+        tokio::spawn(scaler.run(sources, move || weak.upgrade().is_none_or(|app| app.draining.load(Ordering::Relaxed))));
         let admin = AdminState {
             policies: plugins.policies.clone(),
             reloader: plugins.reloader.clone(),
