@@ -255,6 +255,10 @@ pub struct SharedStateConfig {
     pub key_prefix: String,
     /// Length the shared vector stream is trimmed to (approximately).
     pub vector_stream_max_entries: usize,
+    /// Coalesce identical requests across replicas (one generation in the fleet).
+    pub coalesce_across_replicas: bool,
+    /// A replica following another's generation takes over after this long without progress, ms.
+    pub follow_timeout_ms: u64,
 }
 
 impl Default for SharedStateConfig {
@@ -267,6 +271,8 @@ impl Default for SharedStateConfig {
             retry_interval_ms: 1000,
             key_prefix: "levee:".to_string(),
             vector_stream_max_entries: 100_000,
+            coalesce_across_replicas: true,
+            follow_timeout_ms: 5000,
         }
     }
 }
@@ -492,6 +498,12 @@ impl Config {
             return Err(ConfigError::Invalid(format!(
                 "shared-state.redis-url must start with redis://, got {:?}",
                 shared.redis_url
+            )));
+        }
+        if !(10..=600_000).contains(&shared.follow_timeout_ms) {
+            return Err(ConfigError::Invalid(format!(
+                "shared-state.follow-timeout-ms must be between 10 and 600000, got {}",
+                shared.follow_timeout_ms
             )));
         }
         if shared.vector_stream_max_entries == 0 {

@@ -12,8 +12,8 @@
 
 use crate::capabilities::shared::{SharedState, unix_ms};
 use crate::config::ScalingConfig;
-use crate::plugins::bindings::{Load, ScaleSignals};
 use crate::plugins::Policies;
+use crate::plugins::bindings::{Load, ScaleSignals};
 use crate::telemetry::Telemetry;
 use levee_gpu::EngineHandle;
 use serde::{Deserialize, Serialize};
@@ -186,9 +186,8 @@ pub fn slope(samples: &[(f64, f64)]) -> f64 {
         return 0.0;
     }
     let (mx, my) = samples.iter().fold((0.0, 0.0), |(x, y), s| (x + s.0 / n, y + s.1 / n));
-    let (num, den) = samples.iter().fold((0.0, 0.0), |(num, den), s| {
-        (num + (s.0 - mx) * (s.1 - my), den + (s.0 - mx) * (s.0 - mx))
-    });
+    let (num, den) =
+        samples.iter().fold((0.0, 0.0), |(num, den), s| (num + (s.0 - mx) * (s.1 - my), den + (s.0 - mx) * (s.0 - mx)));
     if den > 0.0 { num / den } else { 0.0 }
 }
 
@@ -405,11 +404,15 @@ impl Scaler {
         {
             let key = shared.key("scale", "decision");
             let ttl = self.config.interval_ms.saturating_mul(60).max(60_000);
-            let _ = shared.call("scale.publish", |mut c| {
-                let (key, json) = (&key, &json);
-                async move { redis::cmd("SET").arg(key).arg(json).arg("PX").arg(ttl).query_async::<()>(&mut c).await }
-            })
-            .await;
+            let _ =
+                shared
+                    .call("scale.publish", |mut c| {
+                        let (key, json) = (&key, &json);
+                        async move {
+                            redis::cmd("SET").arg(key).arg(json).arg("PX").arg(ttl).query_async::<()>(&mut c).await
+                        }
+                    })
+                    .await;
         }
         self.actuate(decision.desired_replicas);
         *self.decision.lock().unwrap_or_else(|p| p.into_inner()) = Some(decision);
@@ -575,11 +578,23 @@ impl Scaler {
             ("levee_scale_queue_trend", "Change of the queue depth per second.", f64::from(s.queue_trend)),
             ("levee_scale_arrival_rate", "Requests arriving per second.", f64::from(s.arrival_rate)),
             ("levee_scale_arrival_trend", "Change of the arrival rate per second.", f64::from(s.arrival_trend)),
-            ("levee_scale_throughput_per_replica", "Measured capacity of one replica, req/s.", f64::from(s.throughput_per_replica)),
+            (
+                "levee_scale_throughput_per_replica",
+                "Measured capacity of one replica, req/s.",
+                f64::from(s.throughput_per_replica),
+            ),
             ("levee_scale_replicas", "Replicas serving.", f64::from(s.replicas)),
             ("levee_scale_kv_usage", "Highest KV usage of any replica.", f64::from(s.kv_usage)),
-            ("levee_scale_latency_p95_seconds", "Highest p95 latency of any replica.", f64::from(s.latency_p95_ms) / 1000.0),
-            ("levee_scale_ttft_p95_seconds", "Highest p95 time to first token of any replica.", f64::from(s.ttft_p95_ms) / 1000.0),
+            (
+                "levee_scale_latency_p95_seconds",
+                "Highest p95 latency of any replica.",
+                f64::from(s.latency_p95_ms) / 1000.0,
+            ),
+            (
+                "levee_scale_ttft_p95_seconds",
+                "Highest p95 time to first token of any replica.",
+                f64::from(s.ttft_p95_ms) / 1000.0,
+            ),
             ("levee_scale_running", "Sequences running.", f64::from(s.running)),
         ];
         for (name, help, value) in gauges {
@@ -588,8 +603,14 @@ impl Scaler {
         }
         crate::metrics::header(out, "levee_scaling_actuator_runs_total", "counter", "Actuator commands run.");
         let _ = writeln!(out, "levee_scaling_actuator_runs_total {}", self.actuator_runs.load(Ordering::Relaxed));
-        crate::metrics::header(out, "levee_scaling_actuator_failures_total", "counter", "Actuator commands that failed.");
-        let _ = writeln!(out, "levee_scaling_actuator_failures_total {}", self.actuator_failures.load(Ordering::Relaxed));
+        crate::metrics::header(
+            out,
+            "levee_scaling_actuator_failures_total",
+            "counter",
+            "Actuator commands that failed.",
+        );
+        let _ =
+            writeln!(out, "levee_scaling_actuator_failures_total {}", self.actuator_failures.load(Ordering::Relaxed));
     }
 }
 

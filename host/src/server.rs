@@ -6,13 +6,13 @@ use crate::api::{self, App};
 use crate::capabilities::Capabilities;
 use crate::capabilities::embeddings::MiniLm;
 use crate::capabilities::shared::SharedState;
-use crate::scaling::{Scaler, Sources};
-use crate::coalesce::Flights;
+use crate::coalesce::{Flights, Remote};
 use crate::config::Config;
 use crate::metrics::header;
 use crate::pipeline::Pipeline;
 use crate::plugins::bindings::Hook;
 use crate::plugins::{FAULT_KINDS, PluginError, PluginRuntime, PluginSystem, Policies};
+use crate::scaling::{Scaler, Sources};
 use crate::telemetry::Telemetry;
 use crate::tenancy::Tenancy;
 pub use axum::Router;
@@ -180,7 +180,13 @@ impl Levee {
         let pipeline = Pipeline {
             engine,
             policies: plugins.policies.clone(),
-            flights: Arc::new(Flights::default()),
+            flights: Arc::new(match &caps.shared {
+                Some(shared) if config.shared_state.coalesce_across_replicas => Flights::across_replicas(Remote::new(
+                    shared.clone(),
+                    Duration::from_millis(config.shared_state.follow_timeout_ms),
+                )),
+                _ => Flights::default(),
+            }),
             telemetry: Arc::new(Telemetry::default()),
             model: name,
         };
@@ -193,7 +199,9 @@ impl Levee {
         let app =
             Arc::new(App::new(pipeline, Tenancy::new(&config.api_keys), config.server.clone(), caps, scaler.clone()));
         let weak = Arc::downgrade(&app);
-        tokio::spawn(scaler.run(sources, move || weak.upgrade().is_none_or(|app| app.draining.load(Ordering::Relaxed))));
+        tokio::spawn(
+            scaler.run(sources, move || weak.upgrade().is_none_or(|app| app.draining.load(Ordering::Relaxed))),
+        );
         let admin = AdminState {
             policies: plugins.policies.clone(),
             reloader: plugins.reloader.clone(),

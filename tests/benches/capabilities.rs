@@ -115,7 +115,11 @@ fn embed_and_search_at_100k() {
         ms(percentile(&mut searches, 0.5)),
         questions.len()
     );
-    println!("  embed + search p50 {:>7.3} ms  p99 {:.3} ms  (goal ≤ 5 ms p50)", ms(percentile(&mut totals, 0.5)), ms(percentile(&mut totals, 0.99)));
+    println!(
+        "  embed + search p50 {:>7.3} ms  p99 {:.3} ms  (goal ≤ 5 ms p50)",
+        ms(percentile(&mut totals, 0.5)),
+        ms(percentile(&mut totals, 0.99))
+    );
 }
 
 async fn bucket_local_against_redis() {
@@ -146,7 +150,11 @@ async fn bucket_local_against_redis() {
     let (redis_p50, redis_p99) = run(&shared).await;
     println!("token-bucket take ({TAKES} takes over 64 keys, one at a time):");
     println!("  local  p50 {:>8.2} µs  p99 {:>8.2} µs", local_p50.as_secs_f64() * 1e6, local_p99.as_secs_f64() * 1e6);
-    println!("  redis  p50 {:>8.2} µs  p99 {:>8.2} µs  (loopback, one Lua script per take)", redis_p50.as_secs_f64() * 1e6, redis_p99.as_secs_f64() * 1e6);
+    println!(
+        "  redis  p50 {:>8.2} µs  p99 {:>8.2} µs  (loopback, one Lua script per take)",
+        redis_p50.as_secs_f64() * 1e6,
+        redis_p99.as_secs_f64() * 1e6
+    );
     println!("  redis / local = {:.0}×", redis_p50.as_secs_f64() / local_p50.as_secs_f64());
 }
 

@@ -18,8 +18,7 @@ struct Reply {
 }
 
 async fn complete(http: &Client, server: &TestServer, key: &str, body: Value) -> Reply {
-    let response =
-        http.post(server.url("/v1/completions")).bearer_auth(key).json(&body).send().await.expect("request");
+    let response = http.post(server.url("/v1/completions")).bearer_auth(key).json(&body).send().await.expect("request");
     let status = response.status().as_u16();
     let headers = response.headers().clone();
     let body = response.json().await.unwrap_or(Value::Null);
@@ -60,8 +59,11 @@ async fn a_token_budget_holds_under_32_concurrent_requests() {
     let _model = exclusive().await;
     const BUDGET: f64 = 240.0;
     let mut config = config(KEYS);
-    config.plugins =
-        vec![plugin("rate-limit", guests::RATE_LIMIT, json!({ "tokens-per-minute": BUDGET, "requests-per-minute": 1000 }))];
+    config.plugins = vec![plugin(
+        "rate-limit",
+        guests::RATE_LIMIT,
+        json!({ "tokens-per-minute": BUDGET, "requests-per-minute": 1000 }),
+    )];
     let server = TestServer::start(config).await;
     let http = Client::new();
     let started = Instant::now();

@@ -233,6 +233,25 @@ async fn metrics(State(app): AppState) -> Response {
     app.pipeline.telemetry.render(&stats, &mut out);
     crate::server::render_plugin_metrics(&app.pipeline.policies, &app.caps, &mut out);
     app.scaling.render(&mut out);
+    if let Some(remote) = app.pipeline.flights.remote() {
+        use std::fmt::Write as _;
+        let followed = remote.followed.load(Ordering::Relaxed);
+        let taken_over = remote.taken_over.load(Ordering::Relaxed);
+        crate::metrics::header(
+            &mut out,
+            "levee_flights_followed_total",
+            "counter",
+            "Coalesced requests that followed another replica's generation.",
+        );
+        let _ = writeln!(out, "levee_flights_followed_total {followed}");
+        crate::metrics::header(
+            &mut out,
+            "levee_flights_taken_over_total",
+            "counter",
+            "Followed generations finished here after the owner stalled or left.",
+        );
+        let _ = writeln!(out, "levee_flights_taken_over_total {taken_over}");
+    }
     ([(CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 

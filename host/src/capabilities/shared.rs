@@ -209,6 +209,11 @@ impl SharedState {
         })
     }
 
+    /// The client, for connections of their own (blocking reads).
+    pub fn client(&self) -> &redis::Client {
+        &self.client
+    }
+
     /// Whether the last call reached Redis.
     pub fn is_up(&self) -> bool {
         self.up.load(Ordering::Relaxed)
