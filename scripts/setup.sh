@@ -17,9 +17,14 @@ fi
 scripts/fetch-model.sh
 scripts/fetch-embeddings.sh
 
-# The OpenAI Python client, used by the compatibility test.
+# The OpenAI Python client, used by the compatibility test, and the
+# validators of the Kubernetes manifests in deploy/.
 if ! python3 -c "import openai" >/dev/null 2>&1; then
   python3 -m pip install --quiet --disable-pip-version-check openai
+fi
+if ! python3 -c "import kubernetes_validate, cloudcoil.models.keda" >/dev/null 2>&1; then
+  python3 -m pip install --quiet --disable-pip-version-check \
+    "kubernetes-validate==1.37.0" "cloudcoil.models.keda==2.16.1.0"
 fi
 
 # Redis: the shared-state tests start their own redis-server on loopback.

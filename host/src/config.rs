@@ -603,6 +603,16 @@ mod tests {
     }
 
     #[test]
+    fn the_kubernetes_configuration_parses() {
+        let manifest = include_str!("../../deploy/kubernetes/configmap.yaml");
+        let (_, block) = manifest.split_once("levee.toml: |\n").expect("a levee.toml block");
+        let toml: String = block.lines().map(|l| l.strip_prefix("    ").unwrap_or(l)).collect::<Vec<_>>().join("\n");
+        let config = Config::parse(&toml).unwrap();
+        assert_eq!(config.shared_state.backend, StateBackend::Redis);
+        assert_eq!(config.plugins.len(), 5);
+    }
+
+    #[test]
     fn unknown_fields_and_bad_values_name_the_field() {
         let err = Config::parse("[[plugins]]\nname = \"a\"\npath = \"a.wasm\"\nbudget = 3\n").unwrap_err();
         assert!(err.to_string().contains("budget"), "{err}");
