@@ -7,3 +7,4 @@ scripts/setup.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
+python3 deploy/validate.py

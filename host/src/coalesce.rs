@@ -3,12 +3,26 @@
 //! drives the engine's token stream); every subscriber, early or late,
 //! replays the flight's events from the start, so each gets the whole
 //! response. The generation is aborted once no subscriber is left.
+//!
+//! With Redis, flights span replicas: the replica that first claims a key
+//! (`SET NX` with a lease) generates and appends every event to a Redis
+//! stream; the others follow that stream into a local flight of their own.
+//! A follower that sees no progress within the follow timeout (the owner
+//! died or gave up) generates by itself; since only deterministic requests
+//! are coalesced, it skips the tokens it already relayed and carries on.
 
-use levee_gpu::{EngineError, TokenEvent, TokenStream};
+use crate::capabilities::shared::SharedState;
+use levee_gpu::{Completion, EngineError, FinishReason, GeneratedToken, Logprobs, TokenEvent, TokenStream};
+use levee_gpu::{Timing, Usage};
+use redis::AsyncCommands;
+use redis::streams::{StreamReadOptions, StreamReadReply};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use tokio::sync::Notify;
+use std::time::{Duration, Instant};
+use tokio::sync::{Notify, mpsc};
 
 type Event = Result<TokenEvent, EngineError>;
 
@@ -72,39 +86,123 @@ impl Drop for Subscription {
     }
 }
 
+/// Flights of other replicas, through Redis.
+pub struct Remote {
+    /// The shared state's Redis.
+    pub shared: Arc<SharedState>,
+    /// Longest wait for the owner's next event before generating here.
+    pub follow_timeout: Duration,
+    /// Flights followed from another replica.
+    pub followed: AtomicU64,
+    /// Followed flights that had to be generated here after all.
+    pub taken_over: AtomicU64,
+}
+
+/// How this request got its flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// It started the generation, here.
+    Leader,
+    /// It joined a flight of this replica.
+    Joined,
+    /// It follows a generation of another replica.
+    Follower,
+}
+
 /// The flights in progress, by key.
 #[derive(Default)]
 pub struct Flights {
     flights: Mutex<HashMap<String, Arc<Flight>>>,
+    remote: Option<Remote>,
 }
 
+/// Starts the engine's generation for a flight.
+pub type Start = Box<dyn FnOnce() -> Result<TokenStream, EngineError> + Send>;
+
 impl Flights {
+    /// Flights that span the replicas sharing `remote`'s Redis.
+    pub fn across_replicas(remote: Remote) -> Self {
+        Self { flights: Mutex::default(), remote: Some(remote) }
+    }
+
+    /// The cross-replica side, when configured.
+    pub fn remote(&self) -> Option<&Remote> {
+        self.remote.as_ref()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Flight>>> {
+        self.flights.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Joins the flight of `key`, or starts one with `start` (which submits
-    /// to the engine). Returns the subscription and whether it joined an
-    /// existing flight.
-    pub fn join(
-        self: &Arc<Self>,
-        key: &str,
-        start: impl FnOnce() -> Result<TokenStream, EngineError>,
-    ) -> Result<(Subscription, bool), EngineError> {
-        let mut flights = self.flights.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(flight) = flights.get(key)
-            && !flight.lock().done
-        {
-            return Ok((Subscription::new(flight.clone()), true));
-        }
-        let stream = start()?;
-        let flight =
-            Arc::new(Flight { log: Mutex::default(), changed: Notify::new(), subscribers: AtomicUsize::new(0) });
+    /// to the engine), or, across replicas, follows another replica's.
+    pub async fn join(self: &Arc<Self>, key: &str, start: Start) -> Result<(Subscription, Role), EngineError> {
+        let flight = {
+            let mut flights = self.lock();
+            if let Some(flight) = flights.get(key)
+                && !flight.lock().done
+            {
+                return Ok((Subscription::new(flight.clone()), Role::Joined));
+            }
+            let Some(_) = &self.remote else {
+                let stream = start()?;
+                let flight = Flight::new();
+                let subscription = Subscription::new(flight.clone());
+                flights.insert(key.to_string(), flight.clone());
+                tokio::spawn(drive(self.clone(), key.to_string(), flight, stream, 0, None));
+                return Ok((subscription, Role::Leader));
+            };
+            let flight = Flight::new();
+            flights.insert(key.to_string(), flight.clone());
+            flight
+        };
         let subscription = Subscription::new(flight.clone());
-        flights.insert(key.to_string(), flight.clone());
-        tokio::spawn(drive(self.clone(), key.to_string(), flight, stream));
-        Ok((subscription, false))
+        let Some(remote) = &self.remote else { unreachable_local() };
+        let wire = remote.wire_key(key);
+        match remote.claim(&wire).await {
+            Claim::Follow => {
+                remote.followed.fetch_add(1, Ordering::Relaxed);
+                tokio::spawn(follow(self.clone(), key.to_string(), flight, wire, start));
+                Ok((subscription, Role::Follower))
+            }
+            claim => {
+                let publish = (claim == Claim::Owner).then_some(wire.clone());
+                match start() {
+                    Ok(stream) => {
+                        tokio::spawn(drive(self.clone(), key.to_string(), flight, stream, 0, publish));
+                        Ok((subscription, Role::Leader))
+                    }
+                    Err(e) => {
+                        if publish.is_some() {
+                            remote.abandon(&wire).await;
+                        }
+                        self.finish(key, &flight, Some(Err(e.clone())));
+                        Err(e)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Records the last event of `flight` and forgets it.
+    fn finish(&self, key: &str, flight: &Arc<Flight>, last: Option<Event>) {
+        {
+            let mut log = flight.lock();
+            if let Some(event) = last {
+                log.events.push(event);
+            }
+            log.done = true;
+        }
+        flight.changed.notify_waiters();
+        let mut flights = self.lock();
+        if flights.get(key).is_some_and(|f| Arc::ptr_eq(f, flight)) {
+            flights.remove(key);
+        }
     }
 
     /// Flights in progress.
     pub fn len(&self) -> usize {
-        self.flights.lock().map(|f| f.len()).unwrap_or(0)
+        self.lock().len()
     }
 
     /// Whether no flight is in progress.
@@ -113,7 +211,223 @@ impl Flights {
     }
 }
 
-async fn drive(flights: Arc<Flights>, key: String, flight: Arc<Flight>, mut stream: TokenStream) {
+fn unreachable_local() -> ! {
+    panic!("a local-only flight never reaches the cross-replica path")
+}
+
+impl Flight {
+    fn new() -> Arc<Flight> {
+        Arc::new(Flight { log: Mutex::default(), changed: Notify::new(), subscribers: AtomicUsize::new(0) })
+    }
+}
+
+/// The outcome of claiming a key across replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Claim {
+    /// This replica generates and publishes.
+    Owner,
+    /// Another replica generates; follow it.
+    Follow,
+    /// Redis is unreachable: generate here without publishing.
+    Alone,
+}
+
+impl Remote {
+    /// A follower waits this long for the owner's next event.
+    pub fn new(shared: Arc<SharedState>, follow_timeout: Duration) -> Self {
+        Self { shared, follow_timeout, followed: AtomicU64::new(0), taken_over: AtomicU64::new(0) }
+    }
+
+    fn wire_key(&self, key: &str) -> String {
+        let digest = Sha256::digest(key.as_bytes());
+        let hex: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
+        self.shared.key("flight", &hex)
+    }
+
+    fn lease_ms(&self) -> u64 {
+        (self.follow_timeout.as_millis() as u64).max(1000)
+    }
+
+    async fn claim(&self, wire: &str) -> Claim {
+        let claim = format!("{wire}:owner");
+        let (claim, me, lease) = (&claim, &self.shared.replica, self.lease_ms());
+        let taken: Result<Option<String>, _> = self
+            .shared
+            .call("flight.claim", |mut c| async move {
+                redis::cmd("SET").arg(claim).arg(me).arg("NX").arg("PX").arg(lease).query_async(&mut c).await
+            })
+            .await;
+        match taken {
+            Ok(Some(_)) => Claim::Owner,
+            Ok(None) => Claim::Follow,
+            Err(_) => Claim::Alone,
+        }
+    }
+
+    /// Tells followers this replica will not finish the flight, so they generate themselves.
+    async fn abandon(&self, wire: &str) {
+        let mut pipe = redis::pipe();
+        pipe.cmd("XADD").arg(wire).arg("*").arg("e").arg(r#"{"abandoned":true}"#).ignore();
+        pipe.cmd("PEXPIRE").arg(wire).arg(self.lease_ms() * 4).ignore();
+        pipe.cmd("DEL").arg(format!("{wire}:owner")).ignore();
+        let pipe = &pipe;
+        let _ = self.shared.call("flight.abandon", |mut c| async move { pipe.query_async::<()>(&mut c).await }).await;
+    }
+
+    /// Appends `events` to the flight's stream and renews the owner's lease;
+    /// after the last event, lets the stream expire and drops the claim.
+    async fn publish(&self, wire: &str, events: &[Value], last: bool) {
+        let mut pipe = redis::pipe();
+        for event in events {
+            pipe.cmd("XADD").arg(wire).arg("*").arg("e").arg(event.to_string()).ignore();
+        }
+        pipe.cmd("PEXPIRE").arg(wire).arg(self.lease_ms() * 4).ignore();
+        let owner = format!("{wire}:owner");
+        if last {
+            pipe.cmd("DEL").arg(&owner).ignore();
+        } else {
+            pipe.cmd("PEXPIRE").arg(&owner).arg(self.lease_ms()).ignore();
+        }
+        let pipe = &pipe;
+        let _ = self.shared.call("flight.publish", |mut c| async move { pipe.query_async::<()>(&mut c).await }).await;
+    }
+}
+
+/// An event as it crosses replicas.
+fn encode(event: &Event) -> Value {
+    match event {
+        Ok(TokenEvent::Token(t)) => json!({ "token": {
+            "id": t.id,
+            "text": t.text,
+            "logprob": t.logprobs.as_ref().map(|l| l.logprob),
+            "top": t.logprobs.as_ref().map(|l| l.top.clone()),
+        }}),
+        Ok(TokenEvent::Finished(c)) => json!({ "finished": {
+            "reason": c.reason.as_str(),
+            "prompt_tokens": c.usage.prompt_tokens,
+            "completion_tokens": c.usage.completion_tokens,
+            "queued_us": c.timing.queued.as_micros() as u64,
+            "ttft_us": c.timing.time_to_first_token.as_micros() as u64,
+            "tpot_us": c.timing.time_per_output_token.as_micros() as u64,
+            "total_us": c.timing.total.as_micros() as u64,
+            "preemptions": c.timing.preemptions,
+        }}),
+        Err(_) => json!({ "abandoned": true }),
+    }
+}
+
+/// A remote event: `Some(Ok)` to relay, `Some(Err(()))` when the owner gave up, `None` if unreadable.
+fn decode(value: &Value) -> Option<Result<TokenEvent, ()>> {
+    if value.get("abandoned").is_some() {
+        return Some(Err(()));
+    }
+    if let Some(t) = value.get("token") {
+        let logprobs = match (t.get("logprob").and_then(Value::as_f64), t.get("top")) {
+            (Some(logprob), Some(top)) => Some(Logprobs {
+                logprob: logprob as f32,
+                top: serde_json::from_value::<Vec<(u32, f32)>>(top.clone()).ok()?,
+            }),
+            _ => None,
+        };
+        return Some(Ok(TokenEvent::Token(GeneratedToken {
+            id: t.get("id")?.as_u64()? as u32,
+            text: t.get("text")?.as_str()?.to_string(),
+            logprobs,
+        })));
+    }
+    let f = value.get("finished")?;
+    let us = |name: &str| Some(Duration::from_micros(f.get(name)?.as_u64()?));
+    Some(Ok(TokenEvent::Finished(Completion {
+        reason: if f.get("reason")?.as_str()? == "length" { FinishReason::Length } else { FinishReason::Stop },
+        usage: Usage {
+            prompt_tokens: f.get("prompt_tokens")?.as_u64()? as usize,
+            completion_tokens: f.get("completion_tokens")?.as_u64()? as usize,
+        },
+        timing: Timing {
+            queued: us("queued_us")?,
+            time_to_first_token: us("ttft_us")?,
+            time_per_output_token: us("tpot_us")?,
+            total: us("total_us")?,
+            preemptions: f.get("preemptions")?.as_u64()? as u32,
+        },
+    })))
+}
+
+/// Follows another replica's flight into `flight`; generates here when the
+/// owner stalls past the follow timeout or gives up.
+async fn follow(flights: Arc<Flights>, key: String, flight: Arc<Flight>, wire: String, start: Start) {
+    let Some(remote) = flights.remote() else { return };
+    let config = redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(5)));
+    let mut conn = remote.shared.client().get_multiplexed_async_connection_with_config(&config).await.ok();
+    let mut last = "0-0".to_string();
+    let mut relayed = 0usize;
+    let mut progress = Instant::now();
+    let block = remote.follow_timeout.min(Duration::from_millis(500)).max(Duration::from_millis(10));
+    loop {
+        if flight.subscribers.load(Ordering::SeqCst) == 0 {
+            flights.finish(&key, &flight, None);
+            return;
+        }
+        if progress.elapsed() >= remote.follow_timeout {
+            break;
+        }
+        let Some(c) = conn.as_mut() else { break };
+        let options = StreamReadOptions::default().block(block.as_millis() as usize).count(256);
+        let reply: redis::RedisResult<Option<StreamReadReply>> = c.xread_options(&[&wire], &[&last], &options).await;
+        let Ok(reply) = reply else { break };
+        for id in reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids) {
+            last = id.id.clone();
+            progress = Instant::now();
+            let text = match id.map.get("e") {
+                Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+                _ => continue,
+            };
+            let Some(event) = serde_json::from_str(&text).ok().as_ref().and_then(decode) else { continue };
+            match event {
+                Ok(TokenEvent::Token(token)) => {
+                    relayed += 1;
+                    flight.lock().events.push(Ok(TokenEvent::Token(token)));
+                    flight.changed.notify_waiters();
+                }
+                Ok(finished) => {
+                    flights.finish(&key, &flight, Some(Ok(finished)));
+                    return;
+                }
+                Err(()) => {
+                    progress -= remote.follow_timeout;
+                    break;
+                }
+            }
+        }
+    }
+    // The owner is gone or stalled: generate here, skipping what was relayed.
+    remote.taken_over.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(relayed, "coalesced flight taken over from another replica");
+    match start() {
+        Ok(stream) => drive(flights, key, flight, stream, relayed, None).await,
+        Err(e) => flights.finish(&key, &flight, Some(Err(e))),
+    }
+}
+
+/// Drives `stream` into `flight`, dropping its first `skip` tokens (already
+/// relayed from another replica) and, as the owner of a cross-replica
+/// flight, publishing every event to `publish`.
+async fn drive(
+    flights: Arc<Flights>,
+    key: String,
+    flight: Arc<Flight>,
+    mut stream: TokenStream,
+    mut skip: usize,
+    publish: Option<String>,
+) {
+    let publisher = match (&publish, flights.remote()) {
+        (Some(wire), Some(_)) => {
+            let (tx, rx) = mpsc::unbounded_channel::<Value>();
+            tokio::spawn(publish_events(flights.clone(), wire.clone(), rx));
+            Some(tx)
+        }
+        _ => None,
+    };
     loop {
         let next = tokio::select! {
             event = stream.next() => event,
@@ -129,6 +443,17 @@ async fn drive(flights: Arc<Flights>, key: String, flight: Arc<Flight>, mut stre
             } => None, // nobody is listening: dropping the stream aborts the generation
         };
         let finished = !matches!(next, Some(Ok(TokenEvent::Token(_))));
+        if let Some(tx) = &publisher {
+            // A generation that ends without `Finished` is abandoned: followers take over.
+            let _ = tx.send(match &next {
+                Some(event) => encode(event),
+                None => json!({ "abandoned": true }),
+            });
+        }
+        if matches!(next, Some(Ok(TokenEvent::Token(_)))) && skip > 0 {
+            skip -= 1;
+            continue;
+        }
         {
             let mut log = flight.lock();
             if let Some(event) = next {
@@ -143,8 +468,54 @@ async fn drive(flights: Arc<Flights>, key: String, flight: Arc<Flight>, mut stre
             break;
         }
     }
-    let mut flights = flights.flights.lock().unwrap_or_else(|p| p.into_inner());
-    if flights.get(&key).is_some_and(|f| Arc::ptr_eq(f, &flight)) {
-        flights.remove(&key);
+    let mut map = flights.lock();
+    if map.get(&key).is_some_and(|f| Arc::ptr_eq(f, &flight)) {
+        map.remove(&key);
+    }
+}
+
+/// Sends an owner's events to Redis in batches, in order.
+async fn publish_events(flights: Arc<Flights>, wire: String, mut rx: mpsc::UnboundedReceiver<Value>) {
+    let Some(remote) = flights.remote() else { return };
+    let mut batch = Vec::new();
+    while rx.recv_many(&mut batch, 256).await > 0 {
+        let last = batch.iter().any(|e| e.get("finished").is_some() || e.get("abandoned").is_some());
+        remote.publish(&wire, &batch, last).await;
+        batch.clear();
+        if last {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_cross_replicas_unchanged() {
+        let token = Ok(TokenEvent::Token(GeneratedToken {
+            id: 42,
+            text: " Paris".into(),
+            logprobs: Some(Logprobs { logprob: -0.25, top: vec![(42, -0.25), (7, -2.5)] }),
+        }));
+        let finished = Ok(TokenEvent::Finished(Completion {
+            reason: FinishReason::Length,
+            usage: Usage { prompt_tokens: 5, completion_tokens: 8 },
+            timing: Timing {
+                queued: Duration::from_micros(10),
+                time_to_first_token: Duration::from_micros(2000),
+                time_per_output_token: Duration::from_micros(300),
+                total: Duration::from_micros(5000),
+                preemptions: 1,
+            },
+        }));
+        for event in [token, finished] {
+            let wire = encode(&event);
+            let back = decode(&serde_json::from_str(&wire.to_string()).unwrap()).unwrap().unwrap();
+            assert_eq!(Some(back), event.ok());
+        }
+        assert_eq!(decode(&json!({ "abandoned": true })), Some(Err(())));
+        assert_eq!(decode(&json!({ "something": 1 })), None);
     }
 }

@@ -26,6 +26,10 @@ pub struct Config {
     pub plugin_runtime: PluginRuntimeConfig,
     /// The policy chain, in call order.
     pub plugins: Vec<PluginConfig>,
+    /// Where plugin state lives: this process alone, or Redis shared by replicas.
+    pub shared_state: SharedStateConfig,
+    /// The scale ticker and its outputs.
+    pub scaling: ScalingConfig,
 }
 
 /// HTTP listener settings and limits on what one request may ask for.
@@ -211,6 +215,111 @@ impl Default for PluginRuntimeConfig {
     }
 }
 
+/// Where the key-value, token-bucket and vector capabilities keep their state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StateBackend {
+    /// In this process only.
+    #[default]
+    Local,
+    /// In Redis, shared by every replica that names the same server.
+    Redis,
+}
+
+/// What a capability call does while Redis cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RedisErrorRule {
+    /// Serve the call from this replica's local stores (limits become per replica).
+    #[default]
+    Open,
+    /// Fail the call; the plugin applies its own rule for store errors.
+    Closed,
+}
+
+/// State shared between replicas.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
+pub struct SharedStateConfig {
+    /// `local` or `redis`.
+    pub backend: StateBackend,
+    /// Redis URL, `redis://host:port/db`.
+    pub redis_url: String,
+    /// Rule for calls made while Redis is unreachable.
+    pub on_redis_error: RedisErrorRule,
+    /// Longest wait for one Redis round trip, in milliseconds.
+    pub timeout_ms: u64,
+    /// After Redis failed, calls skip it for this long before trying again, in milliseconds.
+    pub retry_interval_ms: u64,
+    /// Prefix of every key Levee writes, so that deployments can share one Redis.
+    pub key_prefix: String,
+    /// Length the shared vector stream is trimmed to (approximately).
+    pub vector_stream_max_entries: usize,
+    /// Coalesce identical requests across replicas (one generation in the fleet).
+    pub coalesce_across_replicas: bool,
+    /// A replica following another's generation takes over after this long without progress, ms.
+    pub follow_timeout_ms: u64,
+}
+
+impl Default for SharedStateConfig {
+    fn default() -> Self {
+        Self {
+            backend: StateBackend::Local,
+            redis_url: "redis://127.0.0.1:6379/0".to_string(),
+            on_redis_error: RedisErrorRule::Open,
+            timeout_ms: 50,
+            retry_interval_ms: 1000,
+            key_prefix: "levee:".to_string(),
+            vector_stream_max_entries: 100_000,
+            coalesce_across_replicas: true,
+            follow_timeout_ms: 5000,
+        }
+    }
+}
+
+/// The scale ticker: how often it decides and what it tells the orchestrator.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
+pub struct ScalingConfig {
+    /// Time between two scale decisions, in milliseconds.
+    pub interval_ms: u64,
+    /// Window of the arrival and completion rates and of the trends, in seconds.
+    pub window_secs: f64,
+    /// Time a new replica takes to become ready, in seconds (the autoscaler predicts this far ahead).
+    pub warmup_secs: f64,
+    /// A command run with the desired count when it changes (sites without Kubernetes).
+    pub actuator: Option<ActuatorConfig>,
+}
+
+impl Default for ScalingConfig {
+    fn default() -> Self {
+        Self { interval_ms: 1000, window_secs: 30.0, warmup_secs: 60.0, actuator: None }
+    }
+}
+
+/// The command actuator.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ActuatorConfig {
+    /// Program and arguments; `{replicas}` in any argument becomes the desired count
+    /// (also passed as `LEVEE_DESIRED_REPLICAS`).
+    pub command: Vec<String>,
+    /// Least time between two runs, in seconds.
+    #[serde(default = "default_actuator_interval")]
+    pub min_interval_secs: f64,
+    /// A run that takes longer is killed and counted as failed, in seconds.
+    #[serde(default = "default_actuator_timeout")]
+    pub timeout_secs: f64,
+}
+
+fn default_actuator_interval() -> f64 {
+    30.0
+}
+
+fn default_actuator_timeout() -> f64 {
+    60.0
+}
+
 /// What the host does when a plugin faults (trap, deadline, memory cap,
 /// malformed decision) or is quarantined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
@@ -378,6 +487,54 @@ impl Config {
         if runtime.max_instances == 0 {
             return Err(ConfigError::Invalid("plugin-runtime.max-instances must be at least 1".into()));
         }
+        let shared = &self.shared_state;
+        if !(1..=60_000).contains(&shared.timeout_ms) || !(10..=600_000).contains(&shared.retry_interval_ms) {
+            return Err(ConfigError::Invalid(format!(
+                "shared-state.timeout-ms must be between 1 and 60000 and shared-state.retry-interval-ms between 10 and 600000; got {} and {}",
+                shared.timeout_ms, shared.retry_interval_ms
+            )));
+        }
+        if shared.backend == StateBackend::Redis && !shared.redis_url.starts_with("redis://") {
+            return Err(ConfigError::Invalid(format!(
+                "shared-state.redis-url must start with redis://, got {:?}",
+                shared.redis_url
+            )));
+        }
+        if !(10..=600_000).contains(&shared.follow_timeout_ms) {
+            return Err(ConfigError::Invalid(format!(
+                "shared-state.follow-timeout-ms must be between 10 and 600000, got {}",
+                shared.follow_timeout_ms
+            )));
+        }
+        if shared.vector_stream_max_entries == 0 {
+            return Err(ConfigError::Invalid("shared-state.vector-stream-max-entries must be at least 1".into()));
+        }
+        let scaling = &self.scaling;
+        if !(50..=600_000).contains(&scaling.interval_ms) {
+            return Err(ConfigError::Invalid(format!(
+                "scaling.interval-ms must be between 50 and 600000, got {}",
+                scaling.interval_ms
+            )));
+        }
+        if !(scaling.window_secs > 0.0 && scaling.window_secs <= 3600.0)
+            || !(scaling.warmup_secs >= 0.0 && scaling.warmup_secs <= 3600.0)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "scaling.window-secs must be in (0, 3600] and scaling.warmup-secs in [0, 3600]; got {} and {}",
+                scaling.window_secs, scaling.warmup_secs
+            )));
+        }
+        if let Some(actuator) = &scaling.actuator {
+            if actuator.command.first().is_none_or(|p| p.is_empty()) {
+                return Err(ConfigError::Invalid("scaling.actuator.command must name a program".into()));
+            }
+            if !(actuator.min_interval_secs >= 0.0 && actuator.timeout_secs > 0.0 && actuator.timeout_secs <= 3600.0) {
+                return Err(ConfigError::Invalid(format!(
+                    "scaling.actuator.min-interval-secs must be ≥ 0 and timeout-secs in (0, 3600]; got {} and {}",
+                    actuator.min_interval_secs, actuator.timeout_secs
+                )));
+            }
+        }
         let mut names = std::collections::HashSet::new();
         for (i, plugin) in self.plugins.iter().enumerate() {
             if plugin.name.is_empty() || !plugin.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
@@ -443,6 +600,16 @@ mod tests {
         assert_eq!(config.server.listen, "127.0.0.1:8000");
         assert_eq!(config.model.served_name(), "SmolLM2-135M-Instruct");
         assert_eq!(config.engine.kv_memory_mib, 256);
+    }
+
+    #[test]
+    fn the_kubernetes_configuration_parses() {
+        let manifest = include_str!("../../deploy/kubernetes/configmap.yaml");
+        let (_, block) = manifest.split_once("levee.toml: |\n").expect("a levee.toml block");
+        let toml: String = block.lines().map(|l| l.strip_prefix("    ").unwrap_or(l)).collect::<Vec<_>>().join("\n");
+        let config = Config::parse(&toml).unwrap();
+        assert_eq!(config.shared_state.backend, StateBackend::Redis);
+        assert_eq!(config.plugins.len(), 5);
     }
 
     #[test]

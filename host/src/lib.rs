@@ -4,11 +4,13 @@
 pub mod admin;
 pub mod api;
 pub mod capabilities;
+pub mod cli;
 pub mod coalesce;
 pub mod config;
 pub mod metrics;
 pub mod pipeline;
 pub mod plugins;
+pub mod scaling;
 pub mod server;
 pub mod telemetry;
 pub mod tenancy;

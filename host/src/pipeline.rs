@@ -224,15 +224,18 @@ impl Pipeline {
                 let live = match &key {
                     Some(key) => {
                         let flight_key = format!("{key}\u{1f}{max_tokens}\u{1f}{}", tokens.len());
-                        let (subscription, joined) = self.flights.join(&flight_key, || {
-                            counters.generations.fetch_add(1, Ordering::Relaxed);
-                            self.engine.submit(generation)
-                        })?;
-                        if joined {
+                        let (engine, telemetry) = (self.engine.clone(), self.telemetry.clone());
+                        let start: crate::coalesce::Start = Box::new(move || {
+                            telemetry.counters.generations.fetch_add(1, Ordering::Relaxed);
+                            engine.submit(generation)
+                        });
+                        let (subscription, role) = self.flights.join(&flight_key, start).await?;
+                        let leader = role == crate::coalesce::Role::Leader;
+                        if !leader {
                             counters.coalesced.fetch_add(1, Ordering::Relaxed);
                             coalesced = true;
                         }
-                        Live::Shared { subscription, leader: !joined }
+                        Live::Shared { subscription, leader }
                     }
                     None => {
                         counters.generations.fetch_add(1, Ordering::Relaxed);

@@ -5,18 +5,21 @@ use crate::admin::{self, AdminState};
 use crate::api::{self, App};
 use crate::capabilities::Capabilities;
 use crate::capabilities::embeddings::MiniLm;
-use crate::coalesce::Flights;
+use crate::capabilities::shared::SharedState;
+use crate::coalesce::{Flights, Remote};
 use crate::config::Config;
 use crate::metrics::header;
 use crate::pipeline::Pipeline;
 use crate::plugins::bindings::Hook;
 use crate::plugins::{FAULT_KINDS, PluginError, PluginRuntime, PluginSystem, Policies};
+use crate::scaling::{Scaler, Sources};
 use crate::telemetry::Telemetry;
 use crate::tenancy::Tenancy;
 pub use axum::Router;
 use levee_gpu::{Engine, EngineConfig, EngineError, KvBudget, Model, ModelError};
 use std::fmt::Write;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// Renders the plugin runtime's metrics in Prometheus text format.
@@ -74,6 +77,20 @@ pub fn render_plugin_metrics(policies: &Policies, caps: &Capabilities, out: &mut
         }
     }
     caps.metrics.render(out);
+    if let Some(shared) = &caps.shared {
+        let stats = &shared.stats;
+        let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+        header(out, "levee_redis_up", "gauge", "1 while the last call reached Redis.");
+        let _ = writeln!(out, "levee_redis_up {}", u8::from(shared.is_up()));
+        header(out, "levee_redis_errors_total", "counter", "Calls that found Redis unreachable or slow.");
+        let _ = writeln!(out, "levee_redis_errors_total {}", load(&stats.errors));
+        header(out, "levee_redis_fallbacks_total", "counter", "Calls served locally while Redis was unreachable.");
+        let _ = writeln!(out, "levee_redis_fallbacks_total {}", load(&stats.fallbacks));
+        header(out, "levee_redis_refusals_total", "counter", "Calls failed while Redis was unreachable (rule closed).");
+        let _ = writeln!(out, "levee_redis_refusals_total {}", load(&stats.refusals));
+        header(out, "levee_vectors_followed_total", "counter", "Vector entries indexed from other replicas.");
+        let _ = writeln!(out, "levee_vectors_followed_total {}", load(&stats.vectors_followed));
+    }
 }
 
 /// Why the server could not start.
@@ -99,6 +116,9 @@ pub enum StartError {
     /// The embedding model could not be loaded.
     #[error(transparent)]
     Embeddings(#[from] crate::capabilities::embeddings::EmbeddingError),
+    /// The shared-state settings are unusable.
+    #[error("{0}")]
+    SharedState(String),
 }
 
 /// A started server, not yet listening.
@@ -143,7 +163,16 @@ impl Levee {
             }
             None => tracing::info!("no embedding model (models/minilm is absent): plugins' embed calls will fail"),
         }
+        if config.shared_state.backend == crate::config::StateBackend::Redis {
+            let shared = SharedState::new(&config.shared_state).map_err(StartError::SharedState)?;
+            match shared.kv_get("levee:ping").await {
+                Ok(_) => tracing::info!(url = config.shared_state.redis_url, "shared state in redis"),
+                Err(e) => tracing::warn!(url = config.shared_state.redis_url, "redis not reachable at start: {e:?}"),
+            }
+            caps.shared = Some(Arc::new(shared));
+        }
         let caps = Arc::new(caps);
+        caps.start_sharing();
         let runtime = Arc::new(PluginRuntime::new(&config.plugin_runtime, caps.clone())?);
         let plugins = PluginSystem::start(runtime, &config.plugin_runtime, config.plugins.clone()).await?;
         tracing::info!(plugins = config.plugins.len(), "plugin chain loaded");
@@ -151,11 +180,28 @@ impl Levee {
         let pipeline = Pipeline {
             engine,
             policies: plugins.policies.clone(),
-            flights: Arc::new(Flights::default()),
+            flights: Arc::new(match &caps.shared {
+                Some(shared) if config.shared_state.coalesce_across_replicas => Flights::across_replicas(Remote::new(
+                    shared.clone(),
+                    Duration::from_millis(config.shared_state.follow_timeout_ms),
+                )),
+                _ => Flights::default(),
+            }),
             telemetry: Arc::new(Telemetry::default()),
             model: name,
         };
-        let app = Arc::new(App::new(pipeline, Tenancy::new(&config.api_keys), config.server.clone(), caps));
+        let scaler = Arc::new(Scaler::new(config.scaling.clone(), caps.shared.clone()));
+        let sources = Sources {
+            engine: pipeline.engine.clone(),
+            telemetry: pipeline.telemetry.clone(),
+            policies: pipeline.policies.clone(),
+        };
+        let app =
+            Arc::new(App::new(pipeline, Tenancy::new(&config.api_keys), config.server.clone(), caps, scaler.clone()));
+        let weak = Arc::downgrade(&app);
+        tokio::spawn(
+            scaler.run(sources, move || weak.upgrade().is_none_or(|app| app.draining.load(Ordering::Relaxed))),
+        );
         let admin = AdminState {
             policies: plugins.policies.clone(),
             reloader: plugins.reloader.clone(),

@@ -44,6 +44,10 @@ pub struct Counters {
     pub rejected: AtomicU64,
     /// Generations started in the engine.
     pub generations: AtomicU64,
+    /// Requests that arrived on the generation routes.
+    pub arrivals: AtomicU64,
+    /// Requests on the generation routes answered successfully.
+    pub completions: AtomicU64,
 }
 
 #[derive(Default)]
@@ -107,6 +111,7 @@ impl Telemetry {
 
     /// A request arrived.
     pub fn arrival(&self) {
+        self.counters.arrivals.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
         let mut w = self.window();
         w.arrivals.push_back(now);
@@ -117,6 +122,9 @@ impl Telemetry {
     pub fn answered(&self, route: &'static str, status: u16, elapsed: Duration) {
         *self.requests.lock().unwrap_or_else(|p| p.into_inner()).entry((route, status)).or_default() += 1;
         if status < 400 {
+            if route.ends_with("completions") {
+                self.counters.completions.fetch_add(1, Ordering::Relaxed);
+            }
             self.e2e.observe(elapsed.as_secs_f64());
             let now = Instant::now();
             let mut w = self.window();

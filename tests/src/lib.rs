@@ -152,3 +152,188 @@ pub async fn exclusive() -> tokio::sync::MutexGuard<'static, ()> {
     static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     LOCK.lock().await
 }
+
+/// A free loopback port (bound, then released).
+pub fn free_port() -> u16 {
+    match std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
+        Ok(addr) => addr.port(),
+        Err(e) => panic!("no free loopback port: {e}"),
+    }
+}
+
+/// A `redis-server` of the test's own on a loopback port, with nothing
+/// persisted; stopped when dropped.
+pub struct RedisServer {
+    /// Its port.
+    pub port: u16,
+    child: Option<std::process::Child>,
+}
+
+impl RedisServer {
+    /// Starts one on a free port and waits until it answers.
+    pub fn start() -> RedisServer {
+        let mut server = RedisServer { port: free_port(), child: None };
+        server.restart();
+        server
+    }
+
+    /// `redis://127.0.0.1:PORT/0`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Kills the server (its data is gone with it).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port, empty.
+    pub fn restart(&mut self) {
+        self.kill();
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .spawn();
+        match child {
+            Ok(child) => self.child = Some(child),
+            Err(e) => panic!("cannot start redis-server ({e}): run scripts/setup.sh, which installs it"),
+        }
+        let started = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(started.elapsed() < std::time::Duration::from_secs(10), "redis-server did not start");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A real Levee process serving `levee.toml` text, on its own port; killed
+/// when dropped.
+pub struct Replica {
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+    child: std::process::Child,
+    _dir: TempDir,
+}
+
+/// A directory removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// A fresh directory under the system's temporary directory.
+    pub fn new(tag: &str) -> TempDir {
+        static COUNT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("levee-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            panic!("cannot create {}: {e}", dir.display());
+        }
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Replica {
+    /// Starts `binary` (the tests' `levee-replica`) with `toml_text` plus the
+    /// default model, the embedding model, one thread and a free port, and
+    /// waits until `/ready` answers 200.
+    pub async fn start(binary: &str, toml_text: &str) -> Replica {
+        Self::start_with(binary, toml_text, &[]).await
+    }
+
+    /// As [`Replica::start`], with extra command-line arguments.
+    pub async fn start_with(binary: &str, toml_text: &str, args: &[&str]) -> Replica {
+        let dir = TempDir::new("replica");
+        let port = free_port();
+        let models = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models");
+        let text = format!(
+            "{toml_text}\n[model]\npath = {:?}\n[embeddings]\npath = {:?}\n",
+            model_path().display().to_string(),
+            models.join("minilm").display().to_string()
+        );
+        let config = dir.0.join("levee.toml");
+        if let Err(e) = std::fs::write(&config, text) {
+            panic!("cannot write {}: {e}", config.display());
+        }
+        let child = std::process::Command::new(binary)
+            .arg("serve")
+            .arg("--config")
+            .arg(&config)
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--threads", "1", "--kv-memory-mib", "64"])
+            .args(args)
+            .env("LEVEE_LOG", "warn")
+            .current_dir(&dir.0)
+            .stdout(std::process::Stdio::null())
+            .spawn();
+        let child = match child {
+            Ok(child) => child,
+            Err(e) => panic!("cannot start {binary}: {e}"),
+        };
+        let mut replica = Replica { base: format!("http://127.0.0.1:{port}"), child, _dir: dir };
+        let started = std::time::Instant::now();
+        loop {
+            if let Ok(Some(status)) = replica.child.try_wait() {
+                panic!("levee exited at start with {status}");
+            }
+            if ready(&replica.url("/ready")).await {
+                return replica;
+            }
+            assert!(started.elapsed() < std::time::Duration::from_secs(120), "levee never became ready");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+
+    /// `base` + `path`.
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The child process, to signal or wait for.
+    pub fn child(&mut self) -> &mut std::process::Child {
+        &mut self.child
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn ready(url: &str) -> bool {
+    let Some(rest) = url.strip_prefix("http://") else { return false };
+    let Some((host, path)) = rest.split_once('/') else { return false };
+    let Ok(mut stream) = tokio::net::TcpStream::connect(host).await else { return false };
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let request = format!("GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return false;
+    }
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).await.is_ok() && head.ends_with(b"200")
+}
+
+/// One sample's value from Prometheus text, by its full name with labels.
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}

@@ -39,17 +39,26 @@ pub struct App {
     pub caps: Arc<Capabilities>,
     /// Set on SIGTERM: `/ready` fails and new requests are refused.
     pub draining: AtomicBool,
+    /// The scale ticker's latest decision.
+    pub scaling: Arc<crate::scaling::Scaler>,
     stepping: Mutex<(u64, Instant)>,
 }
 
 impl App {
     /// The shared state of the API.
-    pub fn new(pipeline: Pipeline, tenancy: Tenancy, limits: ServerConfig, caps: Arc<Capabilities>) -> Self {
+    pub fn new(
+        pipeline: Pipeline,
+        tenancy: Tenancy,
+        limits: ServerConfig,
+        caps: Arc<Capabilities>,
+        scaling: Arc<crate::scaling::Scaler>,
+    ) -> Self {
         Self {
             pipeline,
             tenancy,
             limits,
             caps,
+            scaling,
             draining: AtomicBool::new(false),
             stepping: Mutex::new((0, Instant::now())),
         }
@@ -223,7 +232,37 @@ async fn metrics(State(app): AppState) -> Response {
     let stats = app.pipeline.engine.stats();
     app.pipeline.telemetry.render(&stats, &mut out);
     crate::server::render_plugin_metrics(&app.pipeline.policies, &app.caps, &mut out);
+    app.scaling.render(&mut out);
+    if let Some(remote) = app.pipeline.flights.remote() {
+        use std::fmt::Write as _;
+        let followed = remote.followed.load(Ordering::Relaxed);
+        let taken_over = remote.taken_over.load(Ordering::Relaxed);
+        crate::metrics::header(
+            &mut out,
+            "levee_flights_followed_total",
+            "counter",
+            "Coalesced requests that followed another replica's generation.",
+        );
+        let _ = writeln!(out, "levee_flights_followed_total {followed}");
+        crate::metrics::header(
+            &mut out,
+            "levee_flights_taken_over_total",
+            "counter",
+            "Followed generations finished here after the owner stalled or left.",
+        );
+        let _ = writeln!(out, "levee_flights_taken_over_total {taken_over}");
+    }
     ([(CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+/// `GET /v1/scaling`: the latest scale decision, its reason and signals,
+/// in a shape KEDA's metrics-api scaler reads (`valueLocation: desiredReplicas`).
+async fn scaling(State(app): AppState) -> Response {
+    match app.scaling.decision() {
+        Some(decision) => Json(decision).into_response(),
+        None => ApiError::Unavailable("no scale decision yet; the first comes within one scaling interval".into())
+            .into_response(),
+    }
 }
 
 /// The API router.
@@ -233,6 +272,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/scaling", get(scaling))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/health", get(health))

@@ -42,6 +42,17 @@ impl Bucket {
     }
 }
 
+/// Refuses arguments no bucket can honour.
+pub fn check(capacity: f64, refill_per_sec: f64, cost: f64) -> Result<(), String> {
+    let valid = capacity.is_finite() && capacity >= 0.0 && refill_per_sec.is_finite() && refill_per_sec >= 0.0;
+    if !valid || !cost.is_finite() {
+        return Err(format!(
+            "token-bucket: capacity and refill-per-sec must be finite and ≥ 0, cost finite; got {capacity}, {refill_per_sec}, {cost}"
+        ));
+    }
+    Ok(())
+}
+
 /// Buckets by key, kept while used (idle ones are dropped after an hour,
 /// by which time any sane bucket has refilled).
 pub struct LocalBuckets {
@@ -56,12 +67,7 @@ impl LocalBuckets {
 
     /// Takes `cost` from bucket `key` atomically.
     pub fn take(&self, key: &str, capacity: f64, refill_per_sec: f64, cost: f64) -> Result<Take, String> {
-        let valid = capacity.is_finite() && capacity >= 0.0 && refill_per_sec.is_finite() && refill_per_sec >= 0.0;
-        if !valid || !cost.is_finite() {
-            return Err(format!(
-                "token-bucket: capacity and refill-per-sec must be finite and ≥ 0, cost finite; got {capacity}, {refill_per_sec}, {cost}"
-            ));
-        }
+        check(capacity, refill_per_sec, cost)?;
         let now = Instant::now();
         let mut outcome = None;
         self.buckets.entry(key.to_string()).and_upsert_with(|current| {

@@ -1,5 +1,12 @@
 //! Local vector stores: one per namespace, bounded in entries and bytes,
 //! least recently used evicted first, nearest-k by cosine similarity.
+//!
+//! Small namespaces are scanned exactly. Large ones keep one sign bit per
+//! dimension beside each vector: a search ranks every entry by the Hamming
+//! distance of those bits (48 bytes an entry for 384 dimensions, a few
+//! hundred microseconds for 100,000 entries) and re-ranks the best few
+//! hundred by their exact cosine. The benchmark reports how often this finds
+//! the exact nearest entry.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -40,13 +47,88 @@ impl Entry {
     fn bytes(&self) -> usize {
         self.vector.len() * 4 + self.payload.len()
     }
+
+    fn live(&self, now: Instant) -> bool {
+        self.expires_at.is_none_or(|at| at > now)
+    }
 }
+
+/// Namespaces up to this size are searched exactly; larger ones through the
+/// sign-bit prefilter and an exact re-rank of its best candidates.
+pub const EXACT_SEARCH_ENTRIES: usize = 4096;
+/// Candidates the prefilter passes to the exact re-rank (at least; more when `k` is larger).
+const RERANK_CANDIDATES: usize = 512;
+/// Inserts between two sweeps for expired entries (a full namespace sweeps on every insert).
+const SWEEP_EVERY: u64 = 1024;
 
 #[derive(Default)]
 struct Namespace {
     entries: Vec<Entry>,
+    /// Sign bits of each entry's vector, `words` u64s per entry, parallel to `entries`.
+    codes: Vec<u64>,
+    words: usize,
     bytes: usize,
     clock: u64,
+    inserts: u64,
+}
+
+impl Namespace {
+    fn remove(&mut self, i: usize) {
+        let evicted = self.entries.swap_remove(i);
+        self.bytes -= evicted.bytes();
+        let (w, last) = (self.words, self.entries.len());
+        if i != last {
+            self.codes.copy_within(last * w..(last + 1) * w, i * w);
+        }
+        self.codes.truncate(last * w);
+    }
+
+    fn sweep(&mut self, now: Instant) {
+        let mut i = 0;
+        while i < self.entries.len() {
+            if self.entries[i].live(now) { i += 1 } else { self.remove(i) }
+        }
+    }
+
+    /// Indices of the entries whose sign bits are nearest the query's.
+    fn prefilter(&self, query: &[u64], candidates: usize) -> Vec<usize> {
+        let w = self.words;
+        let mut distances: Vec<(u32, u32)> = self
+            .codes
+            .chunks_exact(w)
+            .enumerate()
+            .map(|(i, code)| (code.iter().zip(query).map(|(a, b)| (a ^ b).count_ones()).sum::<u32>(), i as u32))
+            .collect();
+        if distances.len() > candidates {
+            distances.select_nth_unstable(candidates);
+            distances.truncate(candidates);
+        }
+        distances.into_iter().map(|(_, i)| i as usize).collect()
+    }
+}
+
+/// One bit per dimension: set where the component is positive.
+fn sign_bits(vector: &[f32]) -> Vec<u64> {
+    let mut bits = vec![0u64; vector.len().div_ceil(64)];
+    for (d, x) in vector.iter().enumerate() {
+        if *x > 0.0 {
+            bits[d / 64] |= 1 << (d % 64);
+        }
+    }
+    bits
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent sums, so the compiler can keep them in vector lanes.
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 /// Vector stores by namespace.
@@ -77,6 +159,7 @@ impl LocalVectors {
     pub fn insert(&self, namespace: &str, vector: &[f32], payload: Vec<u8>, ttl_ms: u64) -> Result<(), String> {
         let vector = unit(vector)?;
         let now = Instant::now();
+        let code = sign_bits(&vector);
         let entry = Entry {
             vector,
             payload,
@@ -100,33 +183,45 @@ impl LocalVectors {
                 entry.vector.len()
             ));
         }
-        ns.entries.retain(|e| e.expires_at.is_none_or(|at| at > now));
-        ns.bytes = ns.entries.iter().map(Entry::bytes).sum();
+        ns.words = code.len();
+        ns.inserts += 1;
+        let full = ns.entries.len() >= self.bounds.max_entries || ns.bytes + entry.bytes() > self.bounds.max_bytes;
+        if full || ns.inserts.is_multiple_of(SWEEP_EVERY) {
+            ns.sweep(now);
+        }
         while !ns.entries.is_empty()
             && (ns.entries.len() >= self.bounds.max_entries || ns.bytes + entry.bytes() > self.bounds.max_bytes)
         {
             let oldest = ns.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).map(|(i, _)| i).unwrap_or(0);
-            let evicted = ns.entries.swap_remove(oldest);
-            ns.bytes -= evicted.bytes();
+            ns.remove(oldest);
         }
         ns.clock += 1;
         ns.bytes += entry.bytes();
         ns.entries.push(Entry { last_used: ns.clock, ..entry });
+        ns.codes.extend_from_slice(&code);
         Ok(())
     }
 
     /// The `k` nearest live entries with score ≥ `min_score`, best first.
+    /// Exact up to [`EXACT_SEARCH_ENTRIES`] entries; above, the entries
+    /// whose sign bits are nearest the query's are re-ranked exactly.
     pub fn search(&self, namespace: &str, vector: &[f32], k: u32, min_score: f32) -> Result<Vec<Hit>, String> {
         let query = unit(vector)?;
         let now = Instant::now();
         let mut namespaces = self.lock();
         let Some(ns) = namespaces.get_mut(namespace) else { return Ok(Vec::new()) };
-        let mut scored: Vec<(f32, usize)> = ns
-            .entries
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| e.expires_at.is_none_or(|at| at > now) && e.vector.len() == query.len())
-            .map(|(i, e)| (e.vector.iter().zip(&query).map(|(a, b)| a * b).sum::<f32>(), i))
+        if ns.entries.first().is_some_and(|e| e.vector.len() != query.len()) {
+            return Ok(Vec::new());
+        }
+        let candidates: Vec<usize> = if ns.entries.len() <= EXACT_SEARCH_ENTRIES {
+            (0..ns.entries.len()).collect()
+        } else {
+            ns.prefilter(&sign_bits(&query), RERANK_CANDIDATES.max(k as usize * 8))
+        };
+        let mut scored: Vec<(f32, usize)> = candidates
+            .into_iter()
+            .filter(|&i| ns.entries[i].live(now))
+            .map(|i| (dot(&ns.entries[i].vector, &query), i))
             .filter(|(score, _)| *score >= min_score)
             .collect();
         scored.sort_by(|a, b| b.0.total_cmp(&a.0));
@@ -140,6 +235,23 @@ impl LocalVectors {
                 Hit { score, payload: ns.entries[i].payload.clone() }
             })
             .collect())
+    }
+
+    /// Entries held in `namespace` (live or not yet swept).
+    pub fn len(&self, namespace: &str) -> usize {
+        self.lock().get(namespace).map_or(0, |ns| ns.entries.len())
+    }
+
+    /// The exact `k` nearest, for measuring the prefilter's recall.
+    pub fn search_exact(&self, namespace: &str, vector: &[f32], k: u32) -> Result<Vec<Hit>, String> {
+        let query = unit(vector)?;
+        let namespaces = self.lock();
+        let Some(ns) = namespaces.get(namespace) else { return Ok(Vec::new()) };
+        let mut scored: Vec<(f32, usize)> =
+            ns.entries.iter().enumerate().map(|(i, e)| (dot(&e.vector, &query), i)).collect();
+        scored.sort_by(|a, b| b.0.total_cmp(&a.0));
+        scored.truncate(k as usize);
+        Ok(scored.into_iter().map(|(score, i)| Hit { score, payload: ns.entries[i].payload.clone() }).collect())
     }
 }
 
@@ -161,5 +273,41 @@ mod tests {
         assert_eq!(payloads, vec![b"z".to_vec(), b"x".to_vec()]);
         assert!(store.search("ns", &[1.0, 0.0], 5, 0.99).unwrap().len() == 1);
         assert!(store.insert("ns", &[1.0, 0.0, 0.0], vec![], 0).unwrap_err().contains("2-dimensional"));
+    }
+
+    #[test]
+    fn large_namespaces_find_the_exact_nearest_through_the_prefilter() {
+        let store = LocalVectors::new(Bounds { max_entries: 20_000, max_bytes: 1 << 30 });
+        let mut state = 7u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let vectors: Vec<Vec<f32>> = (0..10_000).map(|_| (0..64).map(|_| next()).collect()).collect();
+        for (i, v) in vectors.iter().enumerate() {
+            store.insert("big", v, i.to_string().into_bytes(), 0).unwrap();
+        }
+        assert!(store.len("big") > EXACT_SEARCH_ENTRIES);
+        // A slightly perturbed copy of a stored vector finds that vector.
+        for target in [3usize, 777, 9_999] {
+            let query: Vec<f32> = vectors[target].iter().map(|x| x + 0.02 * next()).collect();
+            let hits = store.search("big", &query, 1, 0.5).unwrap();
+            assert_eq!(hits[0].payload, target.to_string().into_bytes());
+            assert_eq!(hits, store.search_exact("big", &query, 1).unwrap());
+        }
+    }
+
+    #[test]
+    fn expired_entries_are_neither_found_nor_kept() {
+        let store = LocalVectors::new(Bounds { max_entries: 2, max_bytes: 1 << 20 });
+        store.insert("ns", &[1.0, 0.0], b"old".to_vec(), 1).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(store.search("ns", &[1.0, 0.0], 1, 0.0).unwrap().is_empty());
+        store.insert("ns", &[0.0, 1.0], b"a".to_vec(), 0).unwrap();
+        store.insert("ns", &[0.6, 0.8], b"b".to_vec(), 0).unwrap();
+        assert_eq!(store.len("ns"), 2, "the expired entry made room");
+        assert_eq!(store.search("ns", &[0.0, 1.0], 1, 0.0).unwrap()[0].payload, b"a");
     }
 }

@@ -98,21 +98,19 @@ impl runtime::Host for PluginState {
 
 impl kv::Host for PluginState {
     async fn get(&mut self, key: String) -> Result<Option<Vec<u8>>, String> {
-        Ok(self.caps.kv.get(&self.key(&key)))
+        self.caps.kv_get(&self.key(&key)).await
     }
 
     async fn set(&mut self, key: String, value: Vec<u8>, ttl_ms: u64) -> Result<(), String> {
-        self.caps.kv.set(&self.key(&key), value, ttl_ms);
-        Ok(())
+        self.caps.kv_set(&self.key(&key), value, ttl_ms).await
     }
 
     async fn incr(&mut self, key: String, delta: i64, ttl_ms: u64) -> Result<i64, String> {
-        self.caps.kv.incr(&self.key(&key), delta, ttl_ms)
+        self.caps.kv_incr(&self.key(&key), delta, ttl_ms).await
     }
 
     async fn delete(&mut self, key: String) -> Result<(), String> {
-        self.caps.kv.delete(&self.key(&key));
-        Ok(())
+        self.caps.kv_delete(&self.key(&key)).await
     }
 }
 
@@ -124,7 +122,7 @@ impl ratelimit::Host for PluginState {
         refill_per_sec: f64,
         cost: f64,
     ) -> Result<ratelimit::BucketState, String> {
-        let take = self.caps.buckets.take(&self.key(&key), capacity, refill_per_sec, cost)?;
+        let take = self.caps.take(&self.key(&key), capacity, refill_per_sec, cost).await?;
         Ok(ratelimit::BucketState {
             allowed: take.allowed,
             remaining: take.remaining,
@@ -152,7 +150,7 @@ impl vectors::Host for PluginState {
         payload: Vec<u8>,
         ttl_ms: u64,
     ) -> Result<(), String> {
-        self.caps.vectors.insert(&self.key(&namespace), &vector, payload, ttl_ms)
+        self.caps.vector_insert(&self.key(&namespace), &vector, payload, ttl_ms).await
     }
 
     async fn search(
