@@ -34,6 +34,9 @@ struct ServeArgs {
     /// Name clients use for the model; overrides model.name.
     #[arg(long, env = "LEVEE_MODEL_NAME")]
     model_name: Option<String>,
+    /// Backend: cpu, cuda or auto (CUDA when a GPU is usable); overrides engine.device.
+    #[arg(long, env = "LEVEE_DEVICE")]
+    device: Option<String>,
     /// KV cache memory in MiB; overrides engine.kv-memory-mib.
     #[arg(long, env = "LEVEE_KV_MEMORY_MIB")]
     kv_memory_mib: Option<usize>,
@@ -62,6 +65,9 @@ fn load_config(args: &ServeArgs) -> anyhow::Result<Config> {
     }
     if let Some(name) = &args.model_name {
         config.model.name = Some(name.clone());
+    }
+    if let Some(device) = &args.device {
+        config.engine.device = device.clone();
     }
     if let Some(mib) = args.kv_memory_mib {
         config.engine.kv_memory_mib = mib;

@@ -100,8 +100,12 @@ impl ModelConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default, rename_all = "kebab-case")]
 pub struct EngineSection {
-    /// KV cache memory, MiB.
+    /// `cpu`, `cuda` (fails at start without a usable GPU) or `auto` (CUDA when a GPU is usable, else the CPU).
+    pub device: String,
+    /// KV cache memory, MiB (the CPU backend; on CUDA when `kv-device-fraction` is not set).
     pub kv_memory_mib: usize,
+    /// On CUDA: the KV cache takes this fraction of the device memory left after weights and workspace, (0, 1].
+    pub kv_device_fraction: Option<f32>,
     /// Token positions per KV block.
     pub block_size: usize,
     /// Most tokens (prefill and decode) in one step.
@@ -125,7 +129,9 @@ pub struct EngineSection {
 impl Default for EngineSection {
     fn default() -> Self {
         Self {
+            device: "auto".to_string(),
             kv_memory_mib: 256,
+            kv_device_fraction: None,
             block_size: 16,
             max_batch_tokens: 512,
             prefill_chunk: 256,
@@ -460,6 +466,14 @@ impl Config {
                     .into(),
             ));
         }
+        if let Err(e) = engine.device.parse::<levee_gpu::BackendKind>() {
+            return Err(ConfigError::Invalid(format!("engine.device: {e}")));
+        }
+        if let Some(f) = engine.kv_device_fraction
+            && !(f > 0.0 && f <= 1.0)
+        {
+            return Err(ConfigError::Invalid(format!("engine.kv-device-fraction must be in (0, 1], got {f}")));
+        }
         if !(engine.queue_timeout_secs > 0.0 && engine.queue_timeout_secs <= 86_400.0) {
             return Err(ConfigError::Invalid(format!(
                 "engine.queue-timeout-secs must be > 0 and ≤ 86400, got {}",
@@ -516,9 +530,9 @@ impl Config {
                 scaling.interval_ms
             )));
         }
-        if !(scaling.window_secs > 0.0 && scaling.window_secs <= 3600.0)
-            || !(scaling.warmup_secs >= 0.0 && scaling.warmup_secs <= 3600.0)
-        {
+        let window_ok = scaling.window_secs > 0.0 && scaling.window_secs <= 3600.0;
+        let warmup_ok = scaling.warmup_secs >= 0.0 && scaling.warmup_secs <= 3600.0;
+        if !(window_ok && warmup_ok) {
             return Err(ConfigError::Invalid(format!(
                 "scaling.window-secs must be in (0, 3600] and scaling.warmup-secs in [0, 3600]; got {} and {}",
                 scaling.window_secs, scaling.warmup_secs

@@ -146,6 +146,7 @@ impl Levee {
         let engine = Engine::start(model, engine_config(config))?;
         let name = config.model.served_name();
         tracing::info!(model = name, backend = engine.model().backend, context = engine.max_context(), "model loaded");
+        tracing::info!("device: {}", engine.model().device_choice);
 
         let mut caps = Capabilities::local();
         let embeddings = match &config.embeddings.path {
@@ -220,6 +221,8 @@ impl Levee {
 pub fn engine_config(config: &Config) -> EngineConfig {
     let e = &config.engine;
     EngineConfig {
+        backend: e.device.parse().unwrap_or_default(),
+        kv_device_fraction: e.kv_device_fraction,
         threads: e.threads,
         kv_budget: KvBudget::Bytes(e.kv_memory_mib << 20),
         block_size: e.block_size,
@@ -230,7 +233,6 @@ pub fn engine_config(config: &Config) -> EngineConfig {
         max_queued_tokens: e.max_queued_tokens,
         queue_timeout: Duration::from_secs_f64(e.queue_timeout_secs),
         max_context: e.max_context,
-        ..EngineConfig::default()
     }
 }
 

@@ -69,7 +69,9 @@ async fn cache_hit_against_generation() {
 fn embed_and_search_at_100k() {
     const ENTRIES: usize = 100_000;
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/minilm");
-    let embedder = MiniLm::shared(&path, 1).expect("embedding model (run scripts/setup.sh)");
+    // ONNX Runtime threads of the embedding model (`embeddings.threads`); one ONNX environment per process.
+    let threads = std::env::var("LEVEE_EMBED_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(1);
+    let embedder = MiniLm::shared(&path, threads).expect("embedding model (run scripts/setup.sh)");
     let caps = Capabilities::local();
     // Fill with real-looking vectors: embeddings of a few hundred texts, perturbed.
     let seeds: Vec<Vec<f32>> = (0..256)
@@ -108,7 +110,10 @@ fn embed_and_search_at_100k() {
             totals.push(t2 - t0);
         }
     }
-    println!("cache lookup with {ENTRIES} entries of 384 dimensions (filled in {:.1} s):", fill.as_secs_f64());
+    println!(
+        "cache lookup with {ENTRIES} entries of 384 dimensions (filled in {:.1} s), {threads} embedding thread(s):",
+        fill.as_secs_f64()
+    );
     println!("  embed          p50 {:>7.3} ms", ms(percentile(&mut embeds, 0.5)));
     println!(
         "  vector search  p50 {:>7.3} ms  (sign-bit prefilter + exact re-rank; found the exact nearest for {exact} of {} queries)",
@@ -160,6 +165,11 @@ async fn bucket_local_against_redis() {
 
 fn main() {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    if std::env::var("LEVEE_EMBED_THREADS").is_ok() {
+        // Only the lookup: the server's embedding model would take the same (one per process) environment.
+        embed_and_search_at_100k();
+        return;
+    }
     runtime.block_on(cache_hit_against_generation());
     embed_and_search_at_100k();
     runtime.block_on(bucket_local_against_redis());

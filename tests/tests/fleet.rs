@@ -248,7 +248,7 @@ async fn the_fleet_scales_on_one_decision_along_a_traffic_trace() {
     // Settling from 3 serving replicas at 1 req/s: down one at a time, a window apart.
     let settle: Vec<_> = changes.iter().filter(|c| c.1 == "settle").collect();
     assert!(settle.iter().all(|c| c.3 + 1 == c.2), "settle: {settle:?}");
-    let settled = polls.iter().filter(|p| p.phase == "settle").last().expect("settle polls");
+    let settled = polls.iter().rfind(|p| p.phase == "settle").expect("settle polls");
     assert_eq!(settled.decisions[0].1, 1, "1 req/s needs one replica: {:?}", settled.decisions[0]);
     for pair in settle.windows(2) {
         assert!(pair[1].0 - pair[0].0 >= 2.5, "scale-downs closer than the stabilization window: {pair:?}");
