@@ -137,27 +137,25 @@ impl Flights {
     /// Joins the flight of `key`, or starts one with `start` (which submits
     /// to the engine), or, across replicas, follows another replica's.
     pub async fn join(self: &Arc<Self>, key: &str, start: Start) -> Result<(Subscription, Role), EngineError> {
-        let flight = {
+        let (flight, remote) = {
             let mut flights = self.lock();
             if let Some(flight) = flights.get(key)
                 && !flight.lock().done
             {
                 return Ok((Subscription::new(flight.clone()), Role::Joined));
             }
-            let Some(_) = &self.remote else {
+            let flight = Flight::new();
+            let Some(remote) = &self.remote else {
                 let stream = start()?;
-                let flight = Flight::new();
                 let subscription = Subscription::new(flight.clone());
                 flights.insert(key.to_string(), flight.clone());
                 tokio::spawn(drive(self.clone(), key.to_string(), flight, stream, 0, None));
                 return Ok((subscription, Role::Leader));
             };
-            let flight = Flight::new();
             flights.insert(key.to_string(), flight.clone());
-            flight
+            (flight, remote)
         };
         let subscription = Subscription::new(flight.clone());
-        let Some(remote) = &self.remote else { unreachable_local() };
         let wire = remote.wire_key(key);
         match remote.claim(&wire).await {
             Claim::Follow => {
@@ -209,10 +207,6 @@ impl Flights {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-}
-
-fn unreachable_local() -> ! {
-    panic!("a local-only flight never reaches the cross-replica path")
 }
 
 impl Flight {
@@ -362,13 +356,14 @@ async fn follow(flights: Arc<Flights>, key: String, flight: Arc<Flight>, wire: S
     let mut last = "0-0".to_string();
     let mut relayed = 0usize;
     let mut progress = Instant::now();
+    let mut abandoned = false;
     let block = remote.follow_timeout.min(Duration::from_millis(500)).max(Duration::from_millis(10));
     loop {
         if flight.subscribers.load(Ordering::SeqCst) == 0 {
             flights.finish(&key, &flight, None);
             return;
         }
-        if progress.elapsed() >= remote.follow_timeout {
+        if abandoned || progress.elapsed() >= remote.follow_timeout {
             break;
         }
         let Some(c) = conn.as_mut() else { break };
@@ -394,7 +389,7 @@ async fn follow(flights: Arc<Flights>, key: String, flight: Arc<Flight>, wire: S
                     return;
                 }
                 Err(()) => {
-                    progress -= remote.follow_timeout;
+                    abandoned = true;
                     break;
                 }
             }

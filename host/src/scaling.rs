@@ -271,7 +271,7 @@ impl Rates {
     }
 }
 
-/// Counters of the actuator for `/metrics`.
+/// When the actuator last ran, and for which count.
 #[derive(Default)]
 struct Actuator {
     last_run: Option<Instant>,
@@ -333,13 +333,14 @@ impl Scaler {
         self.leader.load(Ordering::Relaxed)
     }
 
-    /// Runs the ticker until `stop` resolves; `draining` is read every tick.
-    pub async fn run(self: Arc<Self>, sources: Sources, draining: impl Fn() -> bool + Send + 'static) {
+    /// Runs the ticker. `draining` is read every tick: `Some(true)` while
+    /// the server drains, `None` once it is gone (the ticker then stops).
+    pub async fn run(self: Arc<Self>, sources: Sources, draining: impl Fn() -> Option<bool> + Send + 'static) {
         let mut interval = tokio::time::interval(Duration::from_millis(self.config.interval_ms));
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             interval.tick().await;
-            let drain = draining();
+            let Some(drain) = draining() else { return };
             self.tick(&sources, drain).await;
         }
     }

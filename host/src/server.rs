@@ -200,9 +200,7 @@ impl Levee {
         let app =
             Arc::new(App::new(pipeline, Tenancy::new(&config.api_keys), config.server.clone(), caps, scaler.clone()));
         let weak = Arc::downgrade(&app);
-        tokio::spawn(
-            scaler.run(sources, move || weak.upgrade().is_none_or(|app| app.draining.load(Ordering::Relaxed))),
-        );
+        tokio::spawn(scaler.run(sources, move || weak.upgrade().map(|app| app.draining.load(Ordering::Relaxed))));
         let admin = AdminState {
             policies: plugins.policies.clone(),
             reloader: plugins.reloader.clone(),
