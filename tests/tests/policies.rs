@@ -99,7 +99,7 @@ async fn a_token_budget_holds_under_32_concurrent_requests() {
 async fn degradation_steps_up_under_overload_and_back_down_after_it() {
     let _model = exclusive().await;
     let mut config = config("");
-    config.engine.max_running = 2;
+    config.engine.max_running = 1;
     config.plugins = vec![plugin(
         "degrade",
         guests::DEGRADE,
@@ -114,26 +114,33 @@ async fn degradation_steps_up_under_overload_and_back_down_after_it() {
     )];
     let server = TestServer::start(config).await;
     let http = Client::new();
-    let body = |priority: i64| json!({ "prompt": "Tell me a long story about the sea.", "max_tokens": 24, "temperature": 0, "priority": priority });
+    // A prompt the model continues at length, so that generations last.
+    let body = |priority: i64| {
+        json!({
+            "prompt": "Once upon a time, in a small village by the sea, there lived",
+            "max_tokens": 32, "temperature": 0, "priority": priority
+        })
+    };
 
     // Normal load: nothing degraded.
     let calm = complete(&http, &server, "", body(0)).await;
     assert_eq!(calm.status, 200);
     assert!(!calm.headers.contains_key("x-levee-degraded"));
 
-    // A synthetic overload: 30 concurrent requests against 2 running slots,
+    // A synthetic overload: 30 requests at once against one running slot,
     // the later ones at a low priority (5).
     let burst = futures::future::join_all((0..30).map(|i| {
         let http = http.clone();
         let server = &server;
         async move {
-            tokio::time::sleep(Duration::from_millis(20 * i)).await;
+            tokio::time::sleep(Duration::from_millis(5 * i)).await;
             complete(&http, server, "", body(if i < 15 { 0 } else { 5 })).await
         }
     }))
     .await;
+    // Both levels cap max tokens; the second also sheds priority 5.
     let capped: Vec<&Reply> =
-        burst.iter().filter(|r| r.headers.get("x-levee-degraded").is_some_and(|v| v == "cap")).collect();
+        burst.iter().filter(|r| r.status == 200 && r.headers.contains_key("x-levee-degraded")).collect();
     let shed = burst.iter().filter(|r| r.status == 503).count();
     println!("overload: {} capped, {shed} shed of {}", capped.len(), burst.len());
     assert!(!capped.is_empty(), "no request was degraded under the overload");

@@ -94,9 +94,12 @@ impl StepBatch<'_> {
 
     /// Checks the step against a backend's limits: positions within the
     /// model's context, block tables covering them with blocks of the pool,
-    /// token ids within the vocabulary.
+    /// token ids within the vocabulary, and no logits asked of an empty chunk.
     pub fn validate(&self, layout: &KvLayout, positions: usize, vocab: usize) -> Result<(), BackendError> {
         for s in &self.seqs {
+            if s.wants_logits && s.tokens.is_empty() {
+                return Err(BackendError::InvalidStep("a chunk without tokens cannot have logits".into()));
+            }
             let end = s.start_pos + s.tokens.len();
             if end > positions {
                 return Err(BackendError::InvalidStep(format!(

@@ -46,15 +46,18 @@ impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
         Buf { len: slice.len(), slice: Some(slice), ptr }
     }
 
-    /// Grows the buffer to at least `len` elements (contents are lost when it grows).
+    /// Grows the buffer to at least `len` elements, by half again at least
+    /// so that slowly growing steps do not reallocate every time (contents
+    /// are lost when it grows; a failed growth leaves it empty).
     pub fn ensure(&mut self, gpu: &Gpu, len: usize) -> Result<(), BackendError> {
         if self.len >= len && self.slice.is_some() {
             return Ok(());
         }
-        self.slice = None;
+        let len = len.max(self.len + self.len / 2).max(1);
+        *self = Buf { slice: None, ptr: 0, len: 0 };
         let slice = gpu
             .stream
-            .alloc_zeros::<T>(len.max(1))
+            .alloc_zeros::<T>(len)
             .map_err(|e| cuda_err(&format!("allocating {} bytes", len * size_of::<T>()), e))?;
         *self = Buf::wrap(gpu, slice);
         Ok(())
@@ -63,19 +66,23 @@ impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
     /// Copies `host` to the start of the buffer, growing it first if needed.
     pub fn upload(&mut self, gpu: &Gpu, host: &[T]) -> Result<(), BackendError> {
         self.ensure(gpu, host.len())?;
-        if let Some(s) = self.slice.as_mut() {
-            let mut view = s.slice_mut(..host.len());
-            gpu.stream.memcpy_htod(host, &mut view).map_err(|e| cuda_err("copying a step to the device", e))?;
-        }
-        Ok(())
+        let s =
+            self.slice.as_mut().ok_or_else(|| BackendError::InvalidStep("upload to an unallocated buffer".into()))?;
+        let mut view = s.slice_mut(..host.len());
+        gpu.stream.memcpy_htod(host, &mut view).map_err(|e| cuda_err("copying a step to the device", e))
     }
 
     /// Copies the first `out.len()` elements to `out` (waits for the stream).
     pub fn download(&self, gpu: &Gpu, out: &mut [T]) -> Result<(), BackendError> {
-        if let Some(s) = self.slice.as_ref() {
-            let view = s.slice(..out.len());
-            gpu.stream.memcpy_dtoh(&view, out).map_err(|e| cuda_err("copying results to the host", e))?;
+        let s = self
+            .slice
+            .as_ref()
+            .ok_or_else(|| BackendError::InvalidStep("download from an unallocated buffer".into()))?;
+        if out.len() > self.len {
+            return Err(BackendError::InvalidStep(format!("download of {} elements from {}", out.len(), self.len)));
         }
+        let view = s.slice(..out.len());
+        gpu.stream.memcpy_dtoh(&view, out).map_err(|e| cuda_err("copying results to the host", e))?;
         gpu.stream.synchronize().map_err(|e| cuda_err("running a step", e))
     }
 
