@@ -14,11 +14,12 @@
 mod support;
 
 use levee_gpu::backend::cuda::{self, CudaBackend, CudaOptions, KV_ELEM_BYTES};
-use levee_gpu::backend::{self, Backend, BackendKind, SeqChunk, StepBatch};
-use levee_gpu::kv::{BlockPool, BlockTable, KvBudget, KvLayout};
+use levee_gpu::backend::{self, Backend, BackendKind};
+use levee_gpu::kv::{KvBudget, KvLayout};
+const TOKENS: usize = 32;
+
 use levee_gpu::{ChatMessage, Engine, EngineConfig, EngineError, GenerationRequest, Model};
 
-const TOKENS: usize = 32;
 /// Top-2 logit margin under which the GPU and the CPU may part on batching
 /// noise: cuBLAS may sum in another order when the batch changes shape.
 const NEAR_TIE: f32 = 0.02;
@@ -49,57 +50,6 @@ fn correctness_prompts(model: &Model) -> Vec<Vec<u32>> {
         chat("List three colors."),
     ];
     texts.iter().map(|t| model.tokenizer.encode(t)).collect()
-}
-
-fn top2(logits: &[f32]) -> (u32, f32) {
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.select_nth_unstable_by(1, |&a, &b| logits[b].total_cmp(&logits[a]));
-    let (a, b) = if logits[order[0]] >= logits[order[1]] { (order[0], order[1]) } else { (order[1], order[0]) };
-    (a as u32, logits[a] - logits[b])
-}
-
-/// A backend's choice (top-1 and its top-2 margin) after each prefix: the
-/// prompt, then the prompt plus each of `forced`'s tokens. All prompts run
-/// in every step; `forced` may be empty, and then the backend feeds its own
-/// greedy tokens (free-running) for `TOKENS` steps.
-fn run(
-    backend: &mut dyn Backend,
-    layout: &KvLayout,
-    vocab: usize,
-    prompts: &[Vec<u32>],
-    forced: &[Vec<u32>],
-) -> Vec<Vec<(u32, f32)>> {
-    let mut pool = BlockPool::new(layout.num_blocks);
-    let mut seqs: Vec<Vec<u32>> = prompts.to_vec();
-    let tables: Vec<BlockTable> = prompts
-        .iter()
-        .map(|p| {
-            let mut t = BlockTable::default();
-            assert!(t.reserve(layout, &mut pool, p.len() + TOKENS), "the test layout holds every prompt");
-            t
-        })
-        .collect();
-    let mut out = vec![Vec::new(); prompts.len()];
-    let mut logits = Vec::new();
-    for step in 0..TOKENS {
-        let chunks = seqs
-            .iter()
-            .zip(prompts)
-            .zip(&tables)
-            .map(|((s, p), t)| {
-                let (start, end) = if step == 0 { (0, p.len()) } else { (p.len() + step - 1, p.len() + step) };
-                SeqChunk { tokens: &s[start..end], start_pos: start, block_table: t.blocks(), wants_logits: true }
-            })
-            .collect();
-        backend.forward(&StepBatch { seqs: chunks }, &mut logits).expect("forward");
-        for (i, row) in logits.chunks_exact(vocab).enumerate() {
-            let pick = top2(row);
-            out[i].push(pick);
-            let next = forced.get(i).map_or(pick.0, |f| f[step]);
-            seqs[i].push(next);
-        }
-    }
-    out
 }
 
 fn layout(model: &Model, elem_bytes: usize) -> KvLayout {
@@ -142,13 +92,13 @@ fn teacher_forced_top1_agrees_with_the_cpu_and_greedy_output_matches_on_most_pro
 
     let cpu_layout = layout(&model, levee_gpu::kv::KV_ELEM_BYTES);
     let mut cpu = backend::create(BackendKind::Cpu, &model, &cpu_layout, 0).expect("cpu backend");
-    let cpu_free = run(cpu.as_mut(), &cpu_layout, vocab, &prompts, &[]);
+    let cpu_free = support::forced_choices(cpu.as_mut(), &cpu_layout, vocab, &prompts, &[], TOKENS);
     let cpu_tokens: Vec<Vec<u32>> = cpu_free.iter().map(|r| r.iter().map(|t| t.0).collect()).collect();
 
     let gpu_layout = layout(&model, KV_ELEM_BYTES);
     let mut gpu = CudaBackend::new(&model, &gpu_layout, &CudaOptions::default()).expect("cuda backend");
     println!("backend: {}", gpu.name());
-    let forced = run(&mut gpu, &gpu_layout, vocab, &prompts, &cpu_tokens);
+    let forced = support::forced_choices(&mut gpu, &gpu_layout, vocab, &prompts, &cpu_tokens, TOKENS);
     let (mut agree, mut total) = (0, 0);
     for (p, (want, got)) in cpu_free.iter().zip(&forced).enumerate() {
         for (i, (w, g)) in want.iter().zip(got).enumerate() {
@@ -163,7 +113,7 @@ fn teacher_forced_top1_agrees_with_the_cpu_and_greedy_output_matches_on_most_pro
     let rate = agree as f64 / total as f64;
     println!("teacher-forced top-1 agreement: {agree} of {total} ({:.1}%)", rate * 100.0);
 
-    let gpu_free = run(&mut gpu, &gpu_layout, vocab, &prompts, &[]);
+    let gpu_free = support::forced_choices(&mut gpu, &gpu_layout, vocab, &prompts, &[], TOKENS);
     let identical =
         gpu_free.iter().zip(&cpu_tokens).filter(|(g, c)| g.iter().map(|t| t.0).eq(c.iter().copied())).count();
     for (p, (g, c)) in gpu_free.iter().zip(&cpu_tokens).enumerate() {

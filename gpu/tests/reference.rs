@@ -20,8 +20,8 @@ mod support;
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
-use levee_gpu::backend::{self, BackendKind, SeqChunk, StepBatch};
-use levee_gpu::kv::{BlockPool, BlockTable, KvBudget, KvLayout};
+use levee_gpu::backend::{self, BackendKind};
+use levee_gpu::kv::{KvBudget, KvLayout};
 use levee_gpu::{ChatMessage, Engine, GenerationRequest, Model};
 
 const TOKENS: usize = 32;
@@ -44,7 +44,7 @@ fn reference(prompt: &[u32]) -> anyhow::Result<Vec<(u32, f32)>> {
         let x = Tensor::new(input.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
         let logits: Vec<f32> = model.forward(&x, pos)?.squeeze(0)?.to_vec1()?;
         pos += input.len();
-        let best = top2(&logits);
+        let best = support::top2(&logits);
         out.push(best);
         input = vec![best.0];
     }
@@ -55,42 +55,7 @@ fn reference(prompt: &[u32]) -> anyhow::Result<Vec<(u32, f32)>> {
 fn teacher_forced(model: &Model, prompts: &[Vec<u32>], forced: &[Vec<u32>]) -> Vec<Vec<(u32, f32)>> {
     let layout = KvLayout::new(&model.config, 16, KvBudget::Blocks(128)).expect("layout");
     let mut backend = backend::create(BackendKind::Cpu, model, &layout, 2).expect("backend");
-    let mut pool = BlockPool::new(layout.num_blocks);
-    let seqs: Vec<Vec<u32>> = prompts.iter().zip(forced).map(|(p, f)| p.iter().chain(f).copied().collect()).collect();
-    let tables: Vec<BlockTable> = seqs
-        .iter()
-        .map(|s| {
-            let mut t = BlockTable::default();
-            assert!(t.reserve(&layout, &mut pool, s.len()));
-            t
-        })
-        .collect();
-    let vocab = model.config.vocab_size;
-    let mut out = vec![Vec::new(); prompts.len()];
-    let mut logits = Vec::new();
-    for step in 0..TOKENS {
-        let chunks = seqs
-            .iter()
-            .zip(prompts)
-            .zip(&tables)
-            .map(|((s, p), t)| {
-                let (start, end) = if step == 0 { (0, p.len()) } else { (p.len() + step - 1, p.len() + step) };
-                SeqChunk { tokens: &s[start..end], start_pos: start, block_table: t.blocks(), wants_logits: true }
-            })
-            .collect();
-        backend.forward(&StepBatch { seqs: chunks }, &mut logits).expect("forward");
-        for (i, row) in logits.chunks_exact(vocab).enumerate() {
-            out[i].push(top2(row));
-        }
-    }
-    out
-}
-
-fn top2(logits: &[f32]) -> (u32, f32) {
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.select_nth_unstable_by(1, |&a, &b| logits[b].total_cmp(&logits[a]));
-    let (a, b) = if logits[order[0]] >= logits[order[1]] { (order[0], order[1]) } else { (order[1], order[0]) };
-    (a as u32, logits[a] - logits[b])
+    support::forced_choices(backend.as_mut(), &layout, model.config.vocab_size, prompts, forced, TOKENS)
 }
 
 #[test]

@@ -42,16 +42,12 @@ end
 return 0
 "#;
 
-/// One replica's load as it publishes it for the fleet view.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+/// The load figures a replica reports and the fleet combines: queues and
+/// running sequences add up, KV usage and tail latencies take the worst
+/// replica, medians the mean.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
-pub struct ReplicaReport {
-    /// Who.
-    pub replica: String,
-    /// When, Unix ms.
-    pub at_ms: u64,
-    /// Shutting down: not counted as serving.
-    pub draining: bool,
+pub struct LoadFigures {
     /// Requests waiting for the engine.
     pub queue_depth: u32,
     /// Prompt tokens waiting.
@@ -60,7 +56,7 @@ pub struct ReplicaReport {
     pub running: u32,
     /// KV cache in use, 0–1.
     pub kv_usage: f32,
-    /// Latency percentiles over the recent window, ms.
+    /// Median latency over the recent window, ms.
     pub latency_p50_ms: f32,
     /// 95th percentile latency, ms.
     pub latency_p95_ms: f32,
@@ -72,6 +68,76 @@ pub struct ReplicaReport {
     pub ttft_p95_ms: f32,
     /// Generated tokens per second.
     pub tokens_per_second: f32,
+}
+
+impl From<&Load> for LoadFigures {
+    fn from(l: &Load) -> Self {
+        Self {
+            queue_depth: l.queue_depth,
+            queued_tokens: l.queued_tokens,
+            running: l.running,
+            kv_usage: l.kv_usage,
+            latency_p50_ms: l.latency_p50_ms,
+            latency_p95_ms: l.latency_p95_ms,
+            latency_p99_ms: l.latency_p99_ms,
+            ttft_p50_ms: l.ttft_p50_ms,
+            ttft_p95_ms: l.ttft_p95_ms,
+            tokens_per_second: l.tokens_per_second,
+        }
+    }
+}
+
+impl LoadFigures {
+    /// The WIT load record of `replicas` replicas.
+    pub fn to_wit(&self, replicas: u32) -> Load {
+        Load {
+            queue_depth: self.queue_depth,
+            queued_tokens: self.queued_tokens,
+            running: self.running,
+            kv_usage: self.kv_usage,
+            latency_p50_ms: self.latency_p50_ms,
+            latency_p95_ms: self.latency_p95_ms,
+            latency_p99_ms: self.latency_p99_ms,
+            ttft_p50_ms: self.ttft_p50_ms,
+            ttft_p95_ms: self.ttft_p95_ms,
+            tokens_per_second: self.tokens_per_second,
+            replicas,
+        }
+    }
+
+    /// The fleet's figures from its replicas' (`serving` counts for the medians).
+    fn combine<'a>(all: impl Iterator<Item = &'a LoadFigures> + Clone, serving: &[&LoadFigures]) -> Self {
+        let n = serving.len().max(1) as f32;
+        let max = |f: fn(&LoadFigures) -> f32| all.clone().map(f).fold(0.0f32, f32::max);
+        let mean = |f: fn(&LoadFigures) -> f32| serving.iter().map(|l| f(l)).sum::<f32>() / n;
+        Self {
+            queue_depth: all.clone().map(|l| l.queue_depth).sum(),
+            queued_tokens: all.clone().map(|l| l.queued_tokens).sum(),
+            running: all.clone().map(|l| l.running).sum(),
+            kv_usage: max(|l| l.kv_usage),
+            latency_p50_ms: mean(|l| l.latency_p50_ms),
+            latency_p95_ms: max(|l| l.latency_p95_ms),
+            latency_p99_ms: max(|l| l.latency_p99_ms),
+            ttft_p50_ms: mean(|l| l.ttft_p50_ms),
+            ttft_p95_ms: max(|l| l.ttft_p95_ms),
+            tokens_per_second: all.clone().map(|l| l.tokens_per_second).sum(),
+        }
+    }
+}
+
+/// One replica's load as it publishes it for the fleet view.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ReplicaReport {
+    /// Who.
+    pub replica: String,
+    /// When, Unix ms.
+    pub at_ms: u64,
+    /// Shutting down: not counted as serving.
+    pub draining: bool,
+    /// Its engine's load.
+    #[serde(flatten)]
+    pub load: LoadFigures,
     /// Requests arriving per second over the scaling window.
     pub arrival_rate: f32,
     /// Requests completed per second over the scaling window.
@@ -84,26 +150,9 @@ pub struct ReplicaReport {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct Signals {
-    /// Requests waiting, fleet-wide.
-    pub queue_depth: u32,
-    /// Prompt tokens waiting, fleet-wide.
-    pub queued_tokens: u64,
-    /// Sequences running, fleet-wide.
-    pub running: u32,
-    /// Highest KV usage of any replica.
-    pub kv_usage: f32,
-    /// Mean of the replicas' median latency, ms.
-    pub latency_p50_ms: f32,
-    /// Highest 95th percentile latency of any replica, ms.
-    pub latency_p95_ms: f32,
-    /// Highest 99th percentile latency of any replica, ms.
-    pub latency_p99_ms: f32,
-    /// Mean of the replicas' median time to first token, ms.
-    pub ttft_p50_ms: f32,
-    /// Highest 95th percentile time to first token of any replica, ms.
-    pub ttft_p95_ms: f32,
-    /// Generated tokens per second, fleet-wide.
-    pub tokens_per_second: f32,
+    /// The fleet's load (this replica's alone without Redis).
+    #[serde(flatten)]
+    pub load: LoadFigures,
     /// Change of the queue depth per second over the window.
     pub queue_trend: f32,
     /// Requests arriving per second, fleet-wide.
@@ -128,19 +177,7 @@ impl Signals {
     /// The WIT record the `scale` hook takes.
     pub fn to_wit(&self) -> ScaleSignals {
         ScaleSignals {
-            load: Load {
-                queue_depth: self.queue_depth,
-                queued_tokens: self.queued_tokens,
-                running: self.running,
-                kv_usage: self.kv_usage,
-                latency_p50_ms: self.latency_p50_ms,
-                latency_p95_ms: self.latency_p95_ms,
-                latency_p99_ms: self.latency_p99_ms,
-                ttft_p50_ms: self.ttft_p50_ms,
-                ttft_p95_ms: self.ttft_p95_ms,
-                tokens_per_second: self.tokens_per_second,
-                replicas: self.replicas,
-            },
+            load: self.load.to_wit(self.replicas),
             queue_trend: self.queue_trend,
             arrival_rate: self.arrival_rate,
             arrival_trend: self.arrival_trend,
@@ -195,20 +232,10 @@ pub fn slope(samples: &[(f64, f64)]) -> f64 {
 /// not count as serving, but their queues still need draining).
 pub fn combine(reports: &[ReplicaReport]) -> Signals {
     let serving: Vec<&ReplicaReport> = reports.iter().filter(|r| !r.draining).collect();
-    let n = serving.len().max(1) as f32;
-    let max = |f: fn(&ReplicaReport) -> f32| reports.iter().map(f).fold(0.0f32, f32::max);
+    let serving_load: Vec<&LoadFigures> = serving.iter().map(|r| &r.load).collect();
     let capacities: Vec<f32> = serving.iter().map(|r| r.capacity).filter(|c| *c > 0.0).collect();
     Signals {
-        queue_depth: reports.iter().map(|r| r.queue_depth).sum(),
-        queued_tokens: reports.iter().map(|r| r.queued_tokens).sum(),
-        running: reports.iter().map(|r| r.running).sum(),
-        kv_usage: max(|r| r.kv_usage),
-        latency_p50_ms: serving.iter().map(|r| r.latency_p50_ms).sum::<f32>() / n,
-        latency_p95_ms: max(|r| r.latency_p95_ms),
-        latency_p99_ms: max(|r| r.latency_p99_ms),
-        ttft_p50_ms: serving.iter().map(|r| r.ttft_p50_ms).sum::<f32>() / n,
-        ttft_p95_ms: max(|r| r.ttft_p95_ms),
-        tokens_per_second: reports.iter().map(|r| r.tokens_per_second).sum(),
+        load: LoadFigures::combine(reports.iter().map(|r| &r.load), &serving_load),
         arrival_rate: reports.iter().map(|r| r.arrival_rate).sum(),
         throughput_per_replica: if capacities.is_empty() {
             0.0
@@ -364,16 +391,7 @@ impl Scaler {
             replica: self.replica.clone(),
             at_ms: unix_ms(),
             draining,
-            queue_depth: load.queue_depth,
-            queued_tokens: load.queued_tokens,
-            running: load.running,
-            kv_usage: load.kv_usage,
-            latency_p50_ms: load.latency_p50_ms,
-            latency_p95_ms: load.latency_p95_ms,
-            latency_p99_ms: load.latency_p99_ms,
-            ttft_p50_ms: load.ttft_p50_ms,
-            ttft_p95_ms: load.ttft_p95_ms,
-            tokens_per_second: load.tokens_per_second,
+            load: LoadFigures::from(&load),
             arrival_rate,
             completion_rate,
             capacity,
@@ -431,7 +449,7 @@ impl Scaler {
         let window = Duration::from_secs_f64(self.config.window_secs);
         let (queue_trend, arrival_trend) = self.rates.lock().unwrap_or_else(|p| p.into_inner()).trends(
             now,
-            f64::from(signals.queue_depth),
+            f64::from(signals.load.queue_depth),
             f64::from(signals.arrival_rate),
             window,
         );
@@ -573,9 +591,9 @@ impl Scaler {
         let _ = writeln!(out, "levee_desired_replicas {}", d.desired_replicas);
         crate::metrics::header(out, "levee_scaling_leader", "gauge", "1 when this replica made the latest decision.");
         let _ = writeln!(out, "levee_scaling_leader {}", u8::from(self.is_leader()));
-        let s = &d.signals;
+        let (s, l) = (&d.signals, &d.signals.load);
         let gauges: [(&str, &str, f64); 10] = [
-            ("levee_scale_queue_depth", "Requests waiting (fleet-wide with Redis).", f64::from(s.queue_depth)),
+            ("levee_scale_queue_depth", "Requests waiting (fleet-wide with Redis).", f64::from(l.queue_depth)),
             ("levee_scale_queue_trend", "Change of the queue depth per second.", f64::from(s.queue_trend)),
             ("levee_scale_arrival_rate", "Requests arriving per second.", f64::from(s.arrival_rate)),
             ("levee_scale_arrival_trend", "Change of the arrival rate per second.", f64::from(s.arrival_trend)),
@@ -585,18 +603,18 @@ impl Scaler {
                 f64::from(s.throughput_per_replica),
             ),
             ("levee_scale_replicas", "Replicas serving.", f64::from(s.replicas)),
-            ("levee_scale_kv_usage", "Highest KV usage of any replica.", f64::from(s.kv_usage)),
+            ("levee_scale_kv_usage", "Highest KV usage of any replica.", f64::from(l.kv_usage)),
             (
                 "levee_scale_latency_p95_seconds",
                 "Highest p95 latency of any replica.",
-                f64::from(s.latency_p95_ms) / 1000.0,
+                f64::from(l.latency_p95_ms) / 1000.0,
             ),
             (
                 "levee_scale_ttft_p95_seconds",
                 "Highest p95 time to first token of any replica.",
-                f64::from(s.ttft_p95_ms) / 1000.0,
+                f64::from(l.ttft_p95_ms) / 1000.0,
             ),
-            ("levee_scale_running", "Sequences running.", f64::from(s.running)),
+            ("levee_scale_running", "Sequences running.", f64::from(l.running)),
         ];
         for (name, help, value) in gauges {
             crate::metrics::header(out, name, "gauge", help);
@@ -637,8 +655,7 @@ mod tests {
     fn the_fleet_sums_queues_and_takes_the_worst_latency() {
         let report = |name: &str, queue: u32, p95: f32, draining: bool, capacity: f32| ReplicaReport {
             replica: name.into(),
-            queue_depth: queue,
-            latency_p95_ms: p95,
+            load: LoadFigures { queue_depth: queue, latency_p95_ms: p95, ..LoadFigures::default() },
             arrival_rate: 2.0,
             draining,
             capacity,
@@ -649,8 +666,8 @@ mod tests {
             report("b", 5, 1500.0, false, 0.0),
             report("c", 1, 300.0, true, 8.0),
         ]);
-        assert_eq!(signals.queue_depth, 9);
-        assert_eq!(signals.latency_p95_ms, 1500.0);
+        assert_eq!(signals.load.queue_depth, 9);
+        assert_eq!(signals.load.latency_p95_ms, 1500.0);
         assert_eq!(signals.replicas, 2, "a draining replica does not count as serving");
         assert_eq!(signals.arrival_rate, 6.0);
         assert_eq!(signals.throughput_per_replica, 4.0, "only measured capacities of serving replicas");

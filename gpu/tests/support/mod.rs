@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use levee_gpu::Model;
+use levee_gpu::backend::{Backend, SeqChunk, StepBatch};
+use levee_gpu::kv::{BlockPool, BlockTable, KvLayout};
 
 /// Path of the default model, fetched by `scripts/fetch-model.sh`, or
 /// `LEVEE_MODEL` when set (test binaries run on another machine, see
@@ -66,4 +68,56 @@ pub fn prompts(n: usize) -> Vec<String> {
         "Machine learning is",
     ];
     (0..n).map(|i| subjects[i % subjects.len()].repeat(1 + i / subjects.len())).collect()
+}
+
+/// The best token of `logits` and its margin over the second best.
+pub fn top2(logits: &[f32]) -> (u32, f32) {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.select_nth_unstable_by(1, |&a, &b| logits[b].total_cmp(&logits[a]));
+    let (a, b) = if logits[order[0]] >= logits[order[1]] { (order[0], order[1]) } else { (order[1], order[0]) };
+    (a as u32, logits[a] - logits[b])
+}
+
+/// A backend's choice (top-1 and its top-2 margin) after each of `steps`
+/// prefixes: the prompt, then the prompt plus each token of `forced`. All
+/// prompts run batched in every step; with `forced` empty, the backend feeds
+/// its own greedy tokens (free-running).
+pub fn forced_choices(
+    backend: &mut dyn Backend,
+    layout: &KvLayout,
+    vocab: usize,
+    prompts: &[Vec<u32>],
+    forced: &[Vec<u32>],
+    steps: usize,
+) -> Vec<Vec<(u32, f32)>> {
+    let mut pool = BlockPool::new(layout.num_blocks);
+    let mut seqs: Vec<Vec<u32>> = prompts.to_vec();
+    let tables: Vec<BlockTable> = prompts
+        .iter()
+        .map(|p| {
+            let mut t = BlockTable::default();
+            assert!(t.reserve(layout, &mut pool, p.len() + steps), "the test layout holds every prompt");
+            t
+        })
+        .collect();
+    let mut out = vec![Vec::new(); prompts.len()];
+    let mut logits = Vec::new();
+    for step in 0..steps {
+        let chunks = seqs
+            .iter()
+            .zip(prompts)
+            .zip(&tables)
+            .map(|((s, p), t)| {
+                let (start, end) = if step == 0 { (0, p.len()) } else { (p.len() + step - 1, p.len() + step) };
+                SeqChunk { tokens: &s[start..end], start_pos: start, block_table: t.blocks(), wants_logits: true }
+            })
+            .collect();
+        backend.forward(&StepBatch { seqs: chunks }, &mut logits).expect("forward");
+        for (i, row) in logits.chunks_exact(vocab).enumerate() {
+            let pick = top2(row);
+            out[i].push(pick);
+            seqs[i].push(forced.get(i).map_or(pick.0, |f| f[step]));
+        }
+    }
+    out
 }
