@@ -1,17 +1,20 @@
-//! Engine benchmark: one run, one engine configuration, one variable-length
-//! workload, printed as a table of ratios.
+//! Engine benchmark: one run, one engine configuration, two variable-length
+//! workloads (outputs of 16 to 256 tokens, and long-tailed chat-like outputs
+//! of 8 to 768 tokens), printed as tables of ratios.
 //!
-//! - output tokens/s with continuous batching vs static batching (a batch
+//! - for each workload, output tokens/s with continuous batching vs static batching (a batch
 //!   runs until its longest member finishes: members are padded to the
 //!   longest length, padding counted as work but not as output) vs one
 //!   request at a time;
 //! - time to first token p50/p99 under continuous batching;
 //! - sequences the paged KV cache holds vs contiguous max-length allocation
 //!   of the same memory;
-//! - single-stream decode and prompt tokens/s.
+//! - single-stream decode and prompt tokens/s, against candle-transformers'
+//!   `quantized_llama` and (when `scripts/bench/install-llama-cpp.sh` has
+//!   built it) llama.cpp on the same file, measured before Levee starts.
 //!
 //! Run: `scripts/fetch-model.sh && cargo bench -p levee-gpu --bench engine`
-//! (`LEVEE_BENCH_REQUESTS` sets the workload size, 24 by default).
+//! (`LEVEE_BENCH_REQUESTS` sets the size of each workload, 32 by default).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -31,29 +34,100 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let model = Model::load(&path).map_err(|e| format!("{e} (run scripts/fetch-model.sh)"))?;
     // Before Levee's threads exist, so the two runtimes never share the cores.
     let candle_tps = candle_decode(&path)?;
-    let requests: usize = std::env::var("LEVEE_BENCH_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(24);
+    let llama_cpp = llama_cpp_speed(&path);
+    let requests: usize = std::env::var("LEVEE_BENCH_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(32);
     let config = EngineConfig {
         threads: 2,
         max_running: CONCURRENCY,
         max_context: Some(MAX_CONTEXT),
-        kv_budget: KvBudget::Bytes(256 << 20),
+        // Room for a whole static batch of the longest chat-like outputs
+        // (16 x ~730 tokens x 45 KiB), so that no mode is slowed by preemption.
+        kv_budget: KvBudget::Bytes(768 << 20),
         ..EngineConfig::default()
     };
     let engine = Engine::start(model, config)?;
     println!("backend: {}", engine.model().backend);
     println!("load average before the run: {}", std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim());
-    let jobs = workload(&engine, requests);
-    let useful: usize = jobs.iter().map(|j| j.output).sum();
-    println!(
-        "workload: {requests} requests, prompts {}-{} tokens, outputs {}-{} tokens ({useful} output tokens in all), concurrency {CONCURRENCY}\n",
-        jobs.iter().map(|j| j.prompt.len()).min().unwrap_or(0),
-        jobs.iter().map(|j| j.prompt.len()).max().unwrap_or(0),
-        jobs.iter().map(|j| j.output).min().unwrap_or(0),
-        jobs.iter().map(|j| j.output).max().unwrap_or(0),
-    );
+    let narrow = workload(&engine, requests, |u| 16 + (u * 241.0) as usize);
+    // Long-tailed, as response lengths of chat traffic are: log-uniform from 8 to 768.
+    let chat = workload(&engine, requests, |u| (8.0 * 96f64.powf(u)).round() as usize);
+    let mut runs = Vec::new();
+    for (name, jobs) in [("narrow", &narrow), ("chat-like", &chat)] {
+        let useful: usize = jobs.iter().map(|j| j.output).sum();
+        println!(
+            "workload {name}: {requests} requests, prompts {}-{} tokens, outputs {}-{} tokens (mean {:.0}, {useful} in all), concurrency {CONCURRENCY}",
+            jobs.iter().map(|j| j.prompt.len()).min().unwrap_or(0),
+            jobs.iter().map(|j| j.prompt.len()).max().unwrap_or(0),
+            jobs.iter().map(|j| j.output).min().unwrap_or(0),
+            jobs.iter().map(|j| j.output).max().unwrap_or(0),
+            useful as f64 / jobs.len().max(1) as f64,
+        );
+        runs.push(measure(&engine, jobs)?);
+    }
+    println!();
+    let (decode_tps, prompt_tps) = single_stream(&engine)?;
 
+    println!("| measure | narrow | chat-like |");
+    println!("|---|---|---|");
+    let row = |what: &str, f: &dyn Fn(&Run) -> String| println!("| {what} | {} | {} |", f(&runs[0]), f(&runs[1]));
+    row("continuous batching, output tokens/s", &|r| format!("{:.1}", r.continuous));
+    row(&format!("static batching (batches of {CONCURRENCY}), output tokens/s"), &|r| format!("{:.1}", r.static_tps));
+    row("one request at a time, output tokens/s", &|r| format!("{:.1}", r.single));
+    row("continuous / static", &|r| format!("{:.2}x", r.continuous / r.static_tps));
+    row("continuous / one at a time", &|r| format!("{:.2}x", r.continuous / r.single));
+    row("time to first token p50 / p99 (continuous)", &|r| {
+        format!("{:.0} ms / {:.0} ms", pct(&r.ttft, 0.50), pct(&r.ttft, 0.99))
+    });
+    row("preemptions (all three modes)", &|r| r.preemptions.to_string());
+    println!();
+    println!("| measure | value |");
+    println!("|---|---|");
+    let (paged, contiguous) = capacity(&engine, &narrow);
+    println!("| sequences held, paged KV (16-token blocks) | {paged} |");
+    println!("| sequences held, contiguous {MAX_CONTEXT}-token allocation | {contiguous} |");
+    println!("| paged / contiguous | {:.1}x |", paged as f64 / contiguous.max(1) as f64);
+    println!("| single-stream decode, tokens/s | {decode_tps:.1} |");
+    println!("| single-stream prompt processing, tokens/s | {prompt_tps:.1} |");
+    println!("| candle-transformers quantized_llama, single-stream decode, tokens/s | {candle_tps:.1} |");
+    match llama_cpp {
+        Ok(l) => {
+            println!(
+                "| llama.cpp (llama-cpp-python {}, 2 threads), single-stream decode, tokens/s | {:.1} |",
+                l.version, l.decode_tps
+            );
+            println!(
+                "| llama.cpp (llama-cpp-python {}, 2 threads), prompt processing, tokens/s | {:.1} |",
+                l.version, l.prompt_tps
+            );
+            println!("| Levee / llama.cpp, decode | {:.2}x |", decode_tps / l.decode_tps);
+            println!("| Levee / llama.cpp, prompt processing | {:.2}x |", prompt_tps / l.prompt_tps);
+        }
+        Err(why) => println!("\nllama.cpp not measured: {why}"),
+    }
+    Ok(())
+}
+
+/// Throughput of one workload three ways, and time to first token under continuous batching.
+struct Run {
+    continuous: f64,
+    static_tps: f64,
+    single: f64,
+    ttft: Vec<Duration>,
+    /// Preemptions during the three measurements.
+    preemptions: u64,
+}
+
+/// The engine's preemption count once the last step's figures are published.
+fn preemptions(engine: &EngineHandle) -> u64 {
+    std::thread::sleep(Duration::from_millis(50));
+    engine.stats().preemptions
+}
+
+fn measure(engine: &EngineHandle, jobs: &[Job]) -> Result<Run, Box<dyn std::error::Error>> {
+    let useful: usize = jobs.iter().map(|j| j.output).sum();
+    let preempted_before = preemptions(engine);
     let started = Instant::now();
-    let done = run_all(&engine, &jobs, |j| j.output)?;
+    let done = run_all(engine, jobs, |j| j.output)?;
     let continuous = useful as f64 / started.elapsed().as_secs_f64();
     let mut ttft: Vec<Duration> = done.iter().map(|c| c.timing.time_to_first_token).collect();
     ttft.sort();
@@ -61,42 +135,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let started = Instant::now();
     for batch in jobs.chunks(CONCURRENCY) {
         let longest = batch.iter().map(|j| j.output).max().unwrap_or(1);
-        run_all(&engine, batch, |_| longest)?;
+        run_all(engine, batch, |_| longest)?;
     }
     let static_tps = useful as f64 / started.elapsed().as_secs_f64();
 
     let started = Instant::now();
-    for job in &jobs {
-        run_all(&engine, std::slice::from_ref(job), |j| j.output)?;
+    for job in jobs {
+        run_all(engine, std::slice::from_ref(job), |j| j.output)?;
     }
-    let single_tps = useful as f64 / started.elapsed().as_secs_f64();
-
-    let (decode_tps, prompt_tps) = single_stream(&engine)?;
-
-    println!("| measure | value |");
-    println!("|---|---|");
-    println!("| continuous batching, output tokens/s | {continuous:.1} |");
-    println!("| static batching (batches of {CONCURRENCY}), output tokens/s | {static_tps:.1} |");
-    println!("| one request at a time, output tokens/s | {single_tps:.1} |");
-    println!("| continuous / static | {:.2}x |", continuous / static_tps);
-    println!("| continuous / one at a time | {:.2}x |", continuous / single_tps);
-    println!(
-        "| time to first token p50 / p99 (continuous) | {:.0} ms / {:.0} ms |",
-        pct(&ttft, 0.50),
-        pct(&ttft, 0.99)
-    );
-    let (paged, contiguous) = capacity(&engine, &jobs);
-    println!("| sequences held, paged KV (16-token blocks) | {paged} |");
-    println!("| sequences held, contiguous {MAX_CONTEXT}-token allocation | {contiguous} |");
-    println!("| paged / contiguous | {:.1}x |", paged as f64 / contiguous.max(1) as f64);
-    println!("| single-stream decode, tokens/s | {decode_tps:.1} |");
-    println!("| single-stream prompt processing, tokens/s | {prompt_tps:.1} |");
-    println!("| candle-transformers quantized_llama, single-stream decode, tokens/s | {candle_tps:.1} |");
-    Ok(())
+    let single = useful as f64 / started.elapsed().as_secs_f64();
+    let preemptions = preemptions(engine) - preempted_before;
+    Ok(Run { continuous, static_tps, single, ttft, preemptions })
 }
 
-/// Prompts of ~10 to ~130 tokens and outputs of 16 to 256 tokens, fixed by a simple generator.
-fn workload(engine: &EngineHandle, n: usize) -> Vec<Job> {
+/// Prompts of ~10 to ~130 tokens; each output length is `output(u)` for `u`
+/// uniform in [0, 1), all fixed by a simple generator.
+fn workload(engine: &EngineHandle, n: usize, output: impl Fn(f64) -> usize) -> Vec<Job> {
     let text = "The history of science is the study of the development of science and scientific knowledge, \
         including both the natural and social sciences. Science is a body of empirical, theoretical, and \
         practical knowledge about the natural world, produced by scientists who emphasize the observation, \
@@ -113,7 +167,8 @@ fn workload(engine: &EngineHandle, n: usize) -> Vec<Job> {
         .map(|_| {
             let words_n = 4 + next(96);
             let prompt_text: Vec<&str> = words.iter().cycle().take(words_n).copied().collect();
-            Job { prompt: engine.tokenizer().encode(&prompt_text.join(" ")), output: 16 + next(241) }
+            let u = next(1 << 20) as f64 / (1 << 20) as f64;
+            Job { prompt: engine.tokenizer().encode(&prompt_text.join(" ")), output: output(u) }
         })
         .collect()
 }
@@ -171,6 +226,43 @@ fn candle_decode(path: &std::path::Path) -> Result<f64, Box<dyn std::error::Erro
         logits = model.forward(&Tensor::new(&[next], &Device::Cpu)?.unsqueeze(0)?, prompt.len() + i)?;
     }
     Ok(steps as f64 / started.elapsed().as_secs_f64())
+}
+
+/// llama.cpp's single-stream speed on the same file, through
+/// `scripts/bench/llama_cpp_speed.py` in the environment that
+/// `scripts/bench/install-llama-cpp.sh` builds (or `LEVEE_LLAMA_CPP_PYTHON`).
+struct LlamaCpp {
+    version: String,
+    decode_tps: f64,
+    prompt_tps: f64,
+}
+
+fn llama_cpp_speed(model: &std::path::Path) -> Result<LlamaCpp, String> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let python = std::env::var_os("LEVEE_LLAMA_CPP_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join(".venv-bench/bin/python"));
+    if !python.exists() {
+        return Err(format!("{} is missing (run scripts/bench/install-llama-cpp.sh)", python.display()));
+    }
+    let out = std::process::Command::new(&python)
+        .arg(root.join("scripts/bench/llama_cpp_speed.py"))
+        .arg(model)
+        .arg("2")
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", python.display()))?;
+    if !out.status.success() {
+        return Err(format!("llama_cpp_speed.py failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    let json: serde_json::Value =
+        serde_json::from_str(line.trim()).map_err(|e| format!("llama_cpp_speed.py printed {line:?}: {e}"))?;
+    let number = |k: &str| json[k].as_f64().ok_or_else(|| format!("llama_cpp_speed.py printed no {k}"));
+    Ok(LlamaCpp {
+        version: json["version"].as_str().unwrap_or("?").to_string(),
+        decode_tps: number("decode_tps")?,
+        prompt_tps: number("prompt_tps")?,
+    })
 }
 
 /// Sequences of this workload that fit in the engine's KV memory: paged
