@@ -24,6 +24,10 @@ pub enum DType {
     Q5_1,
     /// 8-bit, blocks of 32, scale only.
     Q8_0,
+    /// 2-bit K-quant, super-blocks of 256.
+    Q2K,
+    /// 3-bit K-quant, super-blocks of 256.
+    Q3K,
     /// 4-bit K-quant, super-blocks of 256.
     Q4K,
     /// 5-bit K-quant, super-blocks of 256.
@@ -43,6 +47,8 @@ impl DType {
             6 => DType::Q5_0,
             7 => DType::Q5_1,
             8 => DType::Q8_0,
+            10 => DType::Q2K,
+            11 => DType::Q3K,
             12 => DType::Q4K,
             13 => DType::Q5K,
             14 => DType::Q6K,
@@ -79,7 +85,7 @@ impl DType {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
             DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => 32,
-            DType::Q4K | DType::Q5K | DType::Q6K => 256,
+            DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K => 256,
         }
     }
 
@@ -93,6 +99,8 @@ impl DType {
             DType::Q5_0 => 22,
             DType::Q5_1 => 24,
             DType::Q8_0 => 34,
+            DType::Q2K => 84,
+            DType::Q3K => 110,
             DType::Q4K => 144,
             DType::Q5K => 176,
             DType::Q6K => 210,
@@ -138,6 +146,8 @@ impl DType {
                         DType::Q5_0 => dequant_q5_0(b, o),
                         DType::Q5_1 => dequant_q5_1(b, o),
                         DType::Q8_0 => dequant_q8_0(b, o),
+                        DType::Q2K => dequant_q2k(b, o),
+                        DType::Q3K => dequant_q3k(b, o),
                         DType::Q4K => dequant_q4k(b, o),
                         DType::Q5K => dequant_q5k(b, o),
                         DType::Q6K => dequant_q6k(b, o),
@@ -222,6 +232,53 @@ fn dequant_q8_0(b: &[u8], out: &mut [f32]) {
     let d = half(b, 0);
     for j in 0..32 {
         out[j] = b[2 + j] as i8 as f32 * d;
+    }
+}
+
+/// Q2_K: sixteen 4-bit scale/minimum pairs (bytes 0-15), 2-bit quants
+/// (16-79), then the super-block scale and minimum scale as halves.
+fn dequant_q2k(b: &[u8], out: &mut [f32]) {
+    let (scales, qs) = (&b[0..16], &b[16..80]);
+    let (d, dmin) = (half(b, 80), half(b, 82));
+    for (half_block, (q, o)) in qs.chunks_exact(32).zip(out.chunks_exact_mut(128)).enumerate() {
+        for (j, o) in o.chunks_exact_mut(32).enumerate() {
+            let shift = 2 * j;
+            for (part, o) in o.chunks_exact_mut(16).enumerate() {
+                let sc = scales[half_block * 8 + j * 2 + part];
+                let (dl, ml) = (d * (sc & 0x0f) as f32, dmin * (sc >> 4) as f32);
+                for (l, o) in o.iter_mut().enumerate() {
+                    *o = dl * ((q[part * 16 + l] >> shift) & 3) as f32 - ml;
+                }
+            }
+        }
+    }
+}
+
+/// Q3_K: high-bit mask (bytes 0-31), low 2 bits (32-95), sixteen 6-bit
+/// scales packed in 12 bytes (96-107), then the super-block scale as a half.
+fn dequant_q3k(b: &[u8], out: &mut [f32]) {
+    let (hmask, qs, packed) = (&b[0..32], &b[32..96], &b[96..108]);
+    let d = half(b, 108);
+    // Scale `i`: low 4 bits from byte `i % 8` (low nibble for i < 8, high
+    // nibble after), high 2 bits from byte `8 + i % 4` at bit `2 * (i / 4)`.
+    let scale = |i: usize| {
+        let low = if i < 8 { packed[i] & 0x0f } else { packed[i - 8] >> 4 };
+        let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
+        (low | (high << 4)) as i32 - 32
+    };
+    for (half_block, (q, o)) in qs.chunks_exact(32).zip(out.chunks_exact_mut(128)).enumerate() {
+        for (j, o) in o.chunks_exact_mut(32).enumerate() {
+            let (shift, bit) = (2 * j, 1u8 << (half_block * 4 + j));
+            for (part, o) in o.chunks_exact_mut(16).enumerate() {
+                let dl = d * scale(half_block * 8 + j * 2 + part) as f32;
+                for (l, o) in o.iter_mut().enumerate() {
+                    let at = part * 16 + l;
+                    let low = ((q[at] >> shift) & 3) as i32;
+                    let minus = if hmask[at] & bit != 0 { 0 } else { 4 };
+                    *o = dl * (low - minus) as f32;
+                }
+            }
+        }
     }
 }
 

@@ -37,7 +37,7 @@ pub enum ModelError {
     },
     /// A tensor type this engine cannot run.
     #[error(
-        "{path}: tensor {tensor} has type {dtype}, which Levee does not support yet (use F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K)"
+        "{path}: tensor {tensor} has type {dtype}, which Levee does not support yet (use F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K)"
     )]
     UnsupportedTensorType {
         /// File that failed.

@@ -202,7 +202,7 @@ impl Matrix {
                 Packed::Q8(out).interleaved(rows, cols / QK)
             }
             DType::F32 | DType::F16 | DType::BF16 => Packed::F32(t.to_f32()),
-            DType::Q5_0 | DType::Q5_1 | DType::Q4K | DType::Q5K | DType::Q6K => {
+            DType::Q5_0 | DType::Q5_1 | DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K => {
                 let mut acts = QActs::default();
                 let mut row = vec![0f32; cols];
                 for r in 0..rows {
