@@ -15,6 +15,7 @@ pub fn load(path: &Path) -> Result<Model, ModelError> {
     let weights = weights(&file, &config)?;
     super::check_weights(&file.path, &config, &weights)?;
     let tokenizer = tokenizer(&file)?;
+    super::check_vocab(&file.path, &config, &tokenizer)?;
     let template = file.meta("tokenizer.chat_template").and_then(MetaValue::as_str);
     let chat_template = ChatTemplate::new(template, &tokenizer);
     Ok(Model { source: file.path.clone(), config, weights, tokenizer, chat_template })
@@ -80,7 +81,9 @@ fn tensor(f: &GgufFile, name: &str) -> Result<Tensor, ModelError> {
 }
 
 fn weights(f: &GgufFile, c: &ModelConfig) -> Result<Weights, ModelError> {
-    let mut layers = Vec::with_capacity(c.n_layers);
+    // Not sized from the file's block count: a corrupt count must end in a
+    // missing-tensor error, not an allocation failure.
+    let mut layers = Vec::new();
     for i in 0..c.n_layers {
         let t = |n: &str| tensor(f, &format!("blk.{i}.{n}"));
         let qkv_bias = if f.tensors.contains_key(&format!("blk.{i}.attn_q.bias")) {

@@ -44,6 +44,7 @@ pub fn load(dir: &Path) -> Result<Model, ModelError> {
     spec.eos = id(&json["eos_token_id"]);
     let tokenizer = Tokenizer::new(spec)
         .map_err(|source| ModelError::Tokenizer { path: tok_path.display().to_string(), source })?;
+    super::check_vocab(&tok_path.display().to_string(), &config, &tokenizer)?;
     let tok_config = read_json(&dir.join("tokenizer_config.json")).ok();
     let template = tok_config.as_ref().and_then(|c| c["chat_template"].as_str());
     let chat_template = ChatTemplate::new(template, &tokenizer);
@@ -159,7 +160,9 @@ fn weights(path: &str, c: &ModelConfig, json: &Value, t: &mut HashMap<String, Te
     let mut take = |n: &str| {
         t.remove(n).ok_or_else(|| ModelError::MissingTensor { path: path.to_string(), tensor: n.to_string() })
     };
-    let mut layers = Vec::with_capacity(c.n_layers);
+    // Not sized from the configuration: a corrupt layer count must end in a
+    // missing-tensor error, not an allocation failure.
+    let mut layers = Vec::new();
     for i in 0..c.n_layers {
         let p = format!("model.layers.{i}");
         let qkv_bias = match take(&format!("{p}.self_attn.q_proj.bias")) {

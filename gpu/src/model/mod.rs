@@ -259,6 +259,23 @@ fn expect_shape(path: &str, t: &Tensor, rows: usize, cols: usize) -> Result<(), 
     }
 }
 
+/// Checks that every token the tokenizer can produce has a row in the
+/// embedding table (a tokenizer from another model would otherwise index
+/// past it).
+fn check_vocab(path: &str, config: &ModelConfig, tokenizer: &Tokenizer) -> Result<(), ModelError> {
+    if tokenizer.vocab_size() > config.vocab_size {
+        return Err(ModelError::malformed(
+            path,
+            format!(
+                "the tokenizer has {} tokens but the embedding table only {} rows; are they from the same model?",
+                tokenizer.vocab_size(),
+                config.vocab_size
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks every tensor of `weights` against `config`.
 fn check_weights(path: &str, config: &ModelConfig, w: &Weights) -> Result<(), ModelError> {
     let (h, q, kv, f) = (config.hidden, config.q_width(), config.kv_width(), config.ffn_hidden);
@@ -284,4 +301,45 @@ fn check_weights(path: &str, config: &ModelConfig, w: &Weights) -> Result<(), Mo
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tokenizer::TokenizerSpec;
+    use super::*;
+
+    fn config(vocab_size: usize) -> ModelConfig {
+        ModelConfig {
+            architecture: "llama".into(),
+            n_layers: 1,
+            hidden: 8,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 4,
+            ffn_hidden: 16,
+            vocab_size,
+            rms_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_style: RopeStyle::Neox,
+            max_context: 64,
+        }
+    }
+
+    #[test]
+    fn a_tokenizer_larger_than_the_embedding_table_is_refused() {
+        let spec = TokenizerSpec {
+            tokens: ["a", "b", "c"].map(String::from).to_vec(),
+            merges: Vec::new(),
+            special: Vec::new(),
+            bos: None,
+            eos: None,
+            add_bos: false,
+            split_digits: false,
+        };
+        let tokenizer = Tokenizer::new(spec).expect("tokenizer");
+        assert!(check_vocab("m/tokenizer.json", &config(3), &tokenizer).is_ok());
+        assert!(check_vocab("m/tokenizer.json", &config(4), &tokenizer).is_ok(), "padded tables are fine");
+        let err = check_vocab("m/tokenizer.json", &config(2), &tokenizer).expect_err("refused").to_string();
+        assert!(err.contains("m/tokenizer.json") && err.contains("3 tokens") && err.contains("2 rows"), "{err}");
+    }
 }
