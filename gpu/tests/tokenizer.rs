@@ -39,3 +39,22 @@ fn encodes_like_the_reference_tokenizer_and_round_trips() {
         assert_eq!(model.tokenizer.decode(&ids), text, "decoding of {text:?}");
     }
 }
+
+/// Inputs that make naive byte-pair encoding quadratic (one huge piece with
+/// nothing to split it, thousands of special tokens) encode in one pass and
+/// round-trip. A quadratic encoder takes minutes here.
+#[test]
+fn adversarial_inputs_encode_and_round_trip() {
+    let model = support::shared_model();
+    let tokenizer = &model.tokenizer;
+    let long_word = "a".repeat(400_000);
+    let specials = "<|im_start|>".repeat(50_000);
+    let mixed = "ab<|im_end|>".repeat(20_000) + &"z".repeat(100_000);
+    for text in [&long_word, &specials, &mixed] {
+        let ids = tokenizer.encode(text);
+        assert!(!ids.is_empty());
+        assert_eq!(tokenizer.decode(&ids), *text);
+    }
+    let im_start = tokenizer.token_id("<|im_start|>").expect("special token");
+    assert_eq!(tokenizer.encode(&specials), vec![im_start; 50_000]);
+}

@@ -158,36 +158,33 @@ impl Tokenizer {
         {
             out.push(bos);
         }
-        let mut rest = text;
-        while !rest.is_empty() {
-            let found = self.next_special(rest);
-            let (plain, special) = match found {
-                Some((at, len, id)) => (&rest[..at], Some((at + len, id))),
-                None => (rest, None),
-            };
-            pretokenize::split(plain, self.split_digits, |piece| self.encode_piece(piece, &mut out));
-            match special {
-                Some((end, id)) => {
+        // Next occurrence of each special token at or after `from`, found
+        // again only once passed: linear in the text for each special token.
+        let mut next: Vec<Option<usize>> = self.special.iter().map(|(s, _)| text.find(s.as_str())).collect();
+        let mut from = 0;
+        while from < text.len() {
+            let mut best: Option<(usize, usize, u32)> = None;
+            for ((s, id), cached) in self.special.iter().zip(next.iter_mut()) {
+                if cached.is_some_and(|at| at < from) {
+                    *cached = text[from..].find(s.as_str()).map(|at| from + at);
+                }
+                if let Some(at) = *cached
+                    && best.is_none_or(|(b, len, _)| at < b || (at == b && s.len() > len))
+                {
+                    best = Some((at, s.len(), *id));
+                }
+            }
+            let end = best.map_or(text.len(), |(at, _, _)| at);
+            pretokenize::split(&text[from..end], self.split_digits, |piece| self.encode_piece(piece, &mut out));
+            match best {
+                Some((at, len, id)) => {
                     out.push(id);
-                    rest = &rest[end..];
+                    from = at + len;
                 }
                 None => break,
             }
         }
         out
-    }
-
-    /// The earliest special token in `text`: (byte offset, byte length, id).
-    fn next_special(&self, text: &str) -> Option<(usize, usize, u32)> {
-        let mut best: Option<(usize, usize, u32)> = None;
-        for (s, id) in &self.special {
-            if let Some(at) = text.find(s.as_str())
-                && best.is_none_or(|(b, len, _)| at < b || (at == b && s.len() > len))
-            {
-                best = Some((at, s.len(), *id));
-            }
-        }
-        best
     }
 
     fn encode_piece(&self, piece: &str, out: &mut Vec<u32>) {
@@ -207,20 +204,55 @@ impl Tokenizer {
                 symbols.push(id);
             }
         }
-        loop {
-            let mut best: Option<(usize, u32, u32)> = None;
-            for (i, w) in symbols.windows(2).enumerate() {
-                if let Some(&(rank, merged)) = self.ranks.get(&(w[0], w[1]))
-                    && best.is_none_or(|(_, r, _)| rank < r)
-                {
-                    best = Some((i, rank, merged));
-                }
-            }
-            let Some((i, _, merged)) = best else { break };
-            symbols[i] = merged;
-            symbols.remove(i + 1);
-        }
+        self.merge(&mut symbols);
         out.extend_from_slice(&symbols);
+    }
+
+    /// Applies merges, lowest rank first and leftmost among equals, in
+    /// O(n log n): a heap of candidate pairs over a linked list of symbols,
+    /// where a candidate whose symbols have changed since is skipped.
+    fn merge(&self, symbols: &mut Vec<u32>) {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        let n = symbols.len();
+        if n < 2 {
+            return;
+        }
+        let mut next: Vec<usize> = (1..=n).collect();
+        let mut prev: Vec<usize> = (0..n).map(|i| i.wrapping_sub(1)).collect();
+        let mut alive = vec![true; n];
+        let mut heap = BinaryHeap::new();
+        let candidate = |symbols: &[u32], i: usize, j: usize| {
+            self.ranks.get(&(symbols[i], symbols[j])).map(|&(rank, _)| Reverse((rank, i, symbols[i], symbols[j])))
+        };
+        for i in 0..n - 1 {
+            heap.extend(candidate(symbols, i, i + 1));
+        }
+        while let Some(Reverse((_, i, left, right))) = heap.pop() {
+            let j = next[i];
+            if !alive[i] || j >= n || symbols[i] != left || symbols[j] != right {
+                continue;
+            }
+            let Some(&(_, merged)) = self.ranks.get(&(left, right)) else { continue };
+            symbols[i] = merged;
+            alive[j] = false;
+            next[i] = next[j];
+            if next[i] < n {
+                prev[next[i]] = i;
+                heap.extend(candidate(symbols, i, next[i]));
+            }
+            if prev[i] < n {
+                heap.extend(candidate(symbols, prev[i], i));
+            }
+        }
+        let mut at = 0;
+        for i in 0..n {
+            if alive[i] {
+                symbols[at] = symbols[i];
+                at += 1;
+            }
+        }
+        symbols.truncate(at);
     }
 
     /// Raw bytes of one token (its literal text for special tokens).
