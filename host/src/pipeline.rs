@@ -99,8 +99,43 @@ fn cached_choices(hit: wit::CacheHit, prompt: usize, n: u32) -> impl Iterator<It
     hit.response.choices.into_iter().take(n as usize).map(move |c| PlannedChoice { prompt, source: Source::Cached(c) })
 }
 
+/// Whether the policy record describes everything that shapes this
+/// request's answer. Log-probabilities, top-k, penalties, `ignore_eos` and
+/// stop token ids are not in the record, so a cached answer could not honour
+/// them: such requests are never looked up, and their record carries
+/// `cache-control: no-store` so that no cache keeps their answer either.
+fn recordable(sampling: &levee_gpu::SamplingParams) -> bool {
+    sampling.logprobs.is_none()
+        && sampling.top_k == 0
+        && sampling.repetition_penalty == 1.0
+        && sampling.frequency_penalty == 0.0
+        && sampling.presence_penalty == 0.0
+        && !sampling.ignore_eos
+        && sampling.stop_token_ids.is_empty()
+}
+
+/// What a shared generation must agree on besides the plugin's key: every
+/// sampling parameter and the exact prompt tokens (the record's prompt text
+/// is a decoding of them). Stable across replicas of one build.
+fn flight_fingerprint(sampling: &levee_gpu::SamplingParams, tokens: &[u32]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    hash.update(format!("{sampling:?}").as_bytes());
+    for t in tokens {
+        hash.update(t.to_le_bytes());
+    }
+    hash.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
 fn record(request: &ValidRequest, prompt: usize) -> wit::Request {
     let p = &request.prompts[prompt];
+    let mut headers = request.headers.clone();
+    if !recordable(&request.sampling) {
+        match headers.iter_mut().find(|(name, _)| name == "cache-control") {
+            Some((_, value)) => value.push_str(", no-store"),
+            None => headers.push(("cache-control".into(), "no-store".into())),
+        }
+    }
     wit::Request {
         id: request.id.clone(),
         tenant: request.tenant.name.clone(),
@@ -117,7 +152,7 @@ fn record(request: &ValidRequest, prompt: usize) -> wit::Request {
         stop: request.sampling.stop.clone(),
         priority: request.priority,
         stream: request.stream,
-        headers: request.headers.clone(),
+        headers,
         min_similarity: None,
     }
 }
@@ -165,7 +200,8 @@ impl Pipeline {
             if let Some(priority) = chain.admit(&rec, &load).await.map_err(|r| self.refused(r, &counters.rejected))? {
                 rec.priority = priority;
             }
-            if let Some((plugin, hit)) = self.lookup(&chain, &rec, request.n).await? {
+            let lookup = recordable(&request.sampling);
+            if lookup && let Some((plugin, hit)) = self.lookup(&chain, &rec, request.n).await? {
                 cache_hit = Some((plugin, hit.similarity));
                 choices.extend(cached_choices(hit, prompt, request.n));
                 records.push(rec);
@@ -201,7 +237,9 @@ impl Pipeline {
                 counters.degraded.fetch_add(1, Ordering::Relaxed);
                 degraded = shaping.label.clone();
             }
-            if let Some(floor) = shaping.cache_min_similarity {
+            if let Some(floor) = shaping.cache_min_similarity
+                && lookup
+            {
                 rec.min_similarity = Some(floor);
                 if let Some((plugin, hit)) = self.lookup(&chain, &rec, request.n).await? {
                     cache_hit = Some((plugin, hit.similarity));
@@ -223,7 +261,10 @@ impl Pipeline {
                 };
                 let live = match &key {
                     Some(key) => {
-                        let flight_key = format!("{key}\u{1f}{max_tokens}\u{1f}{}", tokens.len());
+                        let flight_key = format!(
+                            "{key}\u{1f}{max_tokens}\u{1f}{}",
+                            flight_fingerprint(&generation.sampling, &tokens)
+                        );
                         let (engine, telemetry) = (self.engine.clone(), self.telemetry.clone());
                         let start: crate::coalesce::Start = Box::new(move || {
                             telemetry.counters.generations.fetch_add(1, Ordering::Relaxed);

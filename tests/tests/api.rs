@@ -136,6 +136,15 @@ async fn bad_input_is_refused_with_the_field_and_the_limit() {
         (json!({ "prompt": [1, 2, 999_999] }), 400, "prompt"),
         (json!({ "prompt": "hi", "logprobs": 50 }), 400, "logprobs"),
         (json!({ "prompt": "hi", "model": "gpt-5" }), 404, "gpt-5"),
+        (json!({ "prompt": "hi", "some_future_field": true }), 400, "some_future_field"),
+        (json!({ "prompt": "hi", "tools": [{ "type": "function" }] }), 400, "tools"),
+        (json!({ "prompt": "hi", "response_format": { "type": "json_object" } }), 400, "response_format"),
+        (json!({ "prompt": "hi", "logit_bias": { "42": 100 } }), 400, "logit_bias"),
+        (json!({ "prompt": "hi", "stop": ["x".repeat(2000)] }), 400, "1024 bytes"),
+        (json!({ "prompt": ["hi", ""] }), 400, "prompt 1 of 2"),
+        (json!({ "prompt": "hi", "repetition_penalty": 1e-30 }), 400, "repetition_penalty"),
+        (json!({ "prompt": "hi", "stop_token_ids": [999_999] }), 400, "stop_token_ids"),
+        (json!({ "prompt": vec!["hi"; 32], "n": 16 }), 400, "queues at most"),
     ];
     for (body, status, field) in cases {
         let response = http.post(&url).bearer_auth("sk-test-123").json(&body).send().await.unwrap();
@@ -148,11 +157,15 @@ async fn bad_input_is_refused_with_the_field_and_the_limit() {
     let huge = json!({ "prompt": "x".repeat(8000) });
     let response = http.post(&url).bearer_auth("sk-test-123").json(&huge).send().await.unwrap();
     assert_eq!(response.status(), 413);
-    // Unknown fields are ignored, as OpenAI does.
+    // Fields Levee does not implement are accepted when they ask for nothing;
+    // a temperature too small to divide by decodes greedily.
     let ok = http
         .post(&url)
         .bearer_auth("sk-test-123")
-        .json(&json!({ "prompt": "hi", "max_tokens": 2, "some_future_field": true }))
+        .json(&json!({
+            "prompt": "hi", "max_tokens": 2, "temperature": 1e-30, "tools": [], "logit_bias": {}, "echo": false,
+            "response_format": { "type": "text" }, "user": "u-1", "stop_token_ids": [2]
+        }))
         .send()
         .await
         .unwrap();

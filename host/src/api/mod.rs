@@ -120,6 +120,7 @@ async fn generate(app: Arc<App>, headers: HeaderMap, body: Body, chat: bool) -> 
     let body = body_bytes(body, app.limits.max_body_bytes)?;
     let policy_headers = validate::policy_headers(&headers);
     let engine = &app.pipeline.engine;
+    wire::check_fields(&body, if chat { wire::CHAT_FIELDS } else { wire::COMPLETION_FIELDS })?;
     let request = if chat {
         validate::chat(
             wire::parse(&body)?,

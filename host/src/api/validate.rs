@@ -63,6 +63,16 @@ pub fn policy_headers(headers: &axum::http::HeaderMap) -> Vec<(String, String)> 
         .collect()
 }
 
+/// Longest stop sequence, bytes: each is matched against the tail of the
+/// text after every token.
+const MAX_STOP_BYTES: usize = 1024;
+
+/// Most stop token ids one request may name.
+const MAX_STOP_TOKEN_IDS: usize = 256;
+
+/// Temperatures below this decode greedily.
+const GREEDY_BELOW: f32 = 1e-5;
+
 fn range_f32(param: &str, value: Option<f32>, default: f32, min: f32, max: f32) -> Result<f32, ApiError> {
     let value = value.unwrap_or(default);
     if !(value.is_finite() && value >= min && value <= max) {
@@ -97,7 +107,7 @@ fn common(fields: &CommonFields, limits: &ServerConfig) -> Result<Common, ApiErr
     };
     let max_tokens = match max_tokens {
         Some((param, v)) if !(1..=i64::from(u32::MAX)).contains(&v) => {
-            return Err(ApiError::invalid(param, format!("{param} must be at least 1, got {v}")));
+            return Err(ApiError::invalid(param, format!("{param} must be between 1 and {}, got {v}", u32::MAX)));
         }
         Some((_, v)) => Some(v as u32),
         None => None,
@@ -119,6 +129,20 @@ fn common(fields: &CommonFields, limits: &ServerConfig) -> Result<Common, ApiErr
     }
     if stop.iter().any(String::is_empty) {
         return Err(ApiError::invalid("stop", "stop sequences must not be empty"));
+    }
+    if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("stop sequences must be at most {MAX_STOP_BYTES} bytes, got one of {} bytes", long.len()),
+        ));
+    }
+    if let Some(ids) = &fields.stop_token_ids
+        && ids.len() > MAX_STOP_TOKEN_IDS
+    {
+        return Err(ApiError::invalid(
+            "stop_token_ids",
+            format!("stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {}", ids.len()),
+        ));
     }
     let top_k = match fields.top_k {
         None | Some(-1) | Some(0) => 0,
@@ -142,14 +166,17 @@ fn common(fields: &CommonFields, limits: &ServerConfig) -> Result<Common, ApiErr
         return Err(ApiError::invalid("top_p", "top_p must be greater than 0, got 0"));
     }
     let repetition_penalty = fields.repetition_penalty.unwrap_or(1.0);
-    if !(repetition_penalty.is_finite() && repetition_penalty > 0.0 && repetition_penalty <= 10.0) {
+    if !(repetition_penalty.is_finite() && (0.01..=10.0).contains(&repetition_penalty)) {
         return Err(ApiError::invalid(
             "repetition_penalty",
-            format!("repetition_penalty must be > 0 and ≤ 10, got {repetition_penalty}"),
+            format!("repetition_penalty must be between 0.01 and 10, got {repetition_penalty}"),
         ));
     }
+    let temperature = range_f32("temperature", fields.temperature, 1.0, 0.0, 2.0)?;
     let sampling = SamplingParams {
-        temperature: range_f32("temperature", fields.temperature, 1.0, 0.0, 2.0)?,
+        // As in vLLM, a temperature this small is greedy decoding (dividing
+        // logits by it would overflow).
+        temperature: if temperature < GREEDY_BELOW { 0.0 } else { temperature },
         top_k,
         top_p,
         seed,
@@ -157,6 +184,7 @@ fn common(fields: &CommonFields, limits: &ServerConfig) -> Result<Common, ApiErr
         frequency_penalty: range_f32("frequency_penalty", fields.frequency_penalty, 0.0, -2.0, 2.0)?,
         presence_penalty: range_f32("presence_penalty", fields.presence_penalty, 0.0, -2.0, 2.0)?,
         stop,
+        stop_token_ids: fields.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: fields.ignore_eos.unwrap_or(false),
         ..SamplingParams::default()
     };
@@ -211,10 +239,11 @@ fn logprobs_count(param: &str, value: Option<i64>) -> Result<Option<usize>, ApiE
 /// Checks the prompt's length against the context and picks `max_tokens`.
 fn fit(engine: &EngineHandle, prompts: &[Prompt], requested: Option<u32>, default: u32) -> Result<u32, ApiError> {
     let context = engine.max_context();
-    let longest = prompts.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
-    if longest == 0 {
-        return Err(ApiError::invalid("prompt", "the prompt is empty"));
+    if let Some(i) = prompts.iter().position(|p| p.tokens.is_empty()) {
+        let which = if prompts.len() > 1 { format!("prompt {i} of {}", prompts.len()) } else { "the prompt".into() };
+        return Err(ApiError::invalid("prompt", format!("{which} is empty")));
     }
+    let longest = prompts.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
     if longest >= context {
         return Err(ApiError::invalid(
             "prompt",
@@ -230,6 +259,46 @@ fn fit(engine: &EngineHandle, prompts: &[Prompt], requested: Option<u32>, defaul
         Some(m) => Ok(m),
         None => Ok(default.min(room)),
     }
+}
+
+/// Refuses stop token ids outside the vocabulary.
+fn check_stop_tokens(engine: &EngineHandle, sampling: &SamplingParams) -> Result<(), ApiError> {
+    let vocab = engine.tokenizer().vocab_size() as u32;
+    match sampling.stop_token_ids.iter().find(|t| **t >= vocab) {
+        Some(bad) => Err(ApiError::invalid(
+            "stop_token_ids",
+            format!("stop_token_ids holds {bad}, outside the vocabulary of {vocab} tokens"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Refuses a request that the engine's queue could never hold, even empty:
+/// every prompt times `n` is one queued sequence.
+fn check_capacity(engine: &EngineHandle, prompts: &[Prompt], n: u32) -> Result<(), ApiError> {
+    let config = engine.config();
+    let sequences = prompts.len() * n as usize;
+    if sequences > config.max_queue_requests {
+        return Err(ApiError::invalid(
+            "n",
+            format!(
+                "{} prompts x n = {n} make {sequences} sequences; this server queues at most {}",
+                prompts.len(),
+                config.max_queue_requests
+            ),
+        ));
+    }
+    let tokens: usize = prompts.iter().map(|p| p.tokens.len()).sum::<usize>() * n as usize;
+    if tokens > config.max_queued_tokens {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!(
+                "the prompts times n come to {tokens} prompt tokens; this server queues at most {}",
+                config.max_queued_tokens
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn new_id(prefix: &str) -> String {
@@ -258,6 +327,17 @@ pub fn completion(
     c.sampling.logprobs = logprobs_count("logprobs", body.logprobs)?;
     let tokenizer = engine.tokenizer();
     let vocab = tokenizer.vocab_size() as u32;
+    let count = match &body.prompt {
+        PromptInput::Text(_) | PromptInput::Tokens(_) => 1,
+        PromptInput::Texts(texts) => texts.len(),
+        PromptInput::TokenLists(lists) => lists.len(),
+    };
+    if count == 0 || count > limits.max_prompts {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!("prompt must hold between 1 and {} prompts, got {count}", limits.max_prompts),
+        ));
+    }
     let prompts: Vec<Prompt> = match body.prompt {
         PromptInput::Text(text) => vec![Prompt { tokens: tokenizer.encode(&text), text }],
         PromptInput::Texts(texts) => {
@@ -268,12 +348,6 @@ pub fn completion(
             lists.into_iter().map(|tokens| Prompt { text: tokenizer.decode(&tokens), tokens }).collect()
         }
     };
-    if prompts.is_empty() || prompts.len() > limits.max_prompts {
-        return Err(ApiError::invalid(
-            "prompt",
-            format!("prompt must hold between 1 and {} prompts, got {}", limits.max_prompts, prompts.len()),
-        ));
-    }
     if let Some(bad) = prompts.iter().flat_map(|p| &p.tokens).find(|t| **t >= vocab) {
         return Err(ApiError::invalid(
             "prompt",
@@ -281,6 +355,8 @@ pub fn completion(
         ));
     }
     let max_tokens = fit(engine, &prompts, c.max_tokens, limits.default_completion_max_tokens)?;
+    check_capacity(engine, &prompts, c.n)?;
+    check_stop_tokens(engine, &c.sampling)?;
     Ok(c.into_request(Route::Completions, served, prompts, max_tokens, tenant, headers))
 }
 
@@ -345,5 +421,7 @@ pub fn chat(
     let text = engine.render_chat(&messages).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
     let prompts = vec![Prompt { tokens: engine.tokenizer().encode(&text), text }];
     let max_tokens = fit(engine, &prompts, c.max_tokens, limits.default_chat_max_tokens)?;
+    check_capacity(engine, &prompts, c.n)?;
+    check_stop_tokens(engine, &c.sampling)?;
     Ok(c.into_request(Route::Chat, served, prompts, max_tokens, tenant, headers))
 }

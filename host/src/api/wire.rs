@@ -1,5 +1,8 @@
-//! The OpenAI-compatible request bodies, as clients send them. Unknown
-//! fields are ignored, as OpenAI does; values are checked in `validate`.
+//! The OpenAI-compatible request bodies, as clients send them; values are
+//! checked in `validate`. As with OpenAI, a field this server does not know is
+//! refused, not ignored; so is a known field asking for something Levee does
+//! not do (tools, a JSON response format, logit bias, ...), unless its value
+//! asks for nothing.
 
 use serde::Deserialize;
 
@@ -64,8 +67,10 @@ pub struct CommonFields {
     pub frequency_penalty: Option<f32>,
     /// vLLM extension, > 0 (1 = off).
     pub repetition_penalty: Option<f32>,
-    /// End-user id.
+    /// End-user id (accepted for compatibility; tenants come from API keys).
     pub user: Option<String>,
+    /// Token ids that end generation (vLLM extension).
+    pub stop_token_ids: Option<Vec<u32>>,
     /// Keep generating past the end-of-sequence token (vLLM extension).
     pub ignore_eos: Option<bool>,
     /// Scheduling priority (vLLM extension): lower runs first.
@@ -150,6 +155,81 @@ pub struct DetokenizeBody {
     pub model: Option<String>,
     /// Token ids.
     pub tokens: Vec<u32>,
+}
+
+/// Fields both generation routes read.
+const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "user",
+    "ignore_eos",
+    "priority",
+    "stream",
+    "stream_options",
+];
+
+/// Fields `POST /v1/completions` reads besides the common ones.
+pub const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs"];
+
+/// Fields `POST /v1/chat/completions` reads besides the common ones.
+pub const CHAT_FIELDS: &[&str] = &["messages", "logprobs", "top_logprobs"];
+
+/// Whether `value` of a known OpenAI (or vLLM) field that Levee does not
+/// implement asks for nothing, so that the request means the same without
+/// it; `None` for a field this server does not know at all.
+fn asks_for_nothing(field: &str, value: &serde_json::Value) -> Option<bool> {
+    use serde_json::Value;
+    let empty_object = |v: &Value| v.as_object().is_some_and(|o| o.is_empty());
+    let empty_array = |v: &Value| v.as_array().is_some_and(|a| a.is_empty());
+    Some(
+        value.is_null()
+            || match field {
+                "logit_bias" => empty_object(value),
+                "tools" | "functions" => empty_array(value),
+                "tool_choice" | "function_call" => value.as_str() == Some("none"),
+                "response_format" => value.get("type").and_then(Value::as_str) == Some("text"),
+                "echo" | "store" => value.as_bool() == Some(false),
+                "suffix" => value.as_str() == Some(""),
+                "best_of" => value.as_i64() == Some(1),
+                "min_tokens" => value.as_i64() == Some(0),
+                // Metadata that changes no output.
+                "parallel_tool_calls" | "metadata" | "service_tier" => true,
+                _ => return None,
+            },
+    )
+}
+
+/// Refuses a field this server does not read, naming it: unknown fields,
+/// and known ones (tools, response formats, ...) that ask for something
+/// Levee does not do. A body that is not a JSON object is left to the typed
+/// parse, which explains itself.
+pub fn check_fields(body: &[u8], route_fields: &[&str]) -> Result<(), super::error::ApiError> {
+    let Ok(serde_json::Value::Object(fields)) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return Ok(());
+    };
+    for (name, value) in &fields {
+        if COMMON_FIELDS.contains(&name.as_str()) || route_fields.contains(&name.as_str()) {
+            continue;
+        }
+        let message = match asks_for_nothing(name, value) {
+            Some(true) => continue,
+            Some(false) => format!("`{name}` is not supported by this server"),
+            None => format!("unrecognized request argument `{name}`"),
+        };
+        return Err(super::error::ApiError::Invalid { message, param: Some(name.clone()) });
+    }
+    Ok(())
 }
 
 /// Parses a JSON body, naming the field of the first error.
