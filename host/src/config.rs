@@ -449,6 +449,12 @@ impl Config {
                 server.max_n, server.max_prompts, server.max_body_bytes
             )));
         }
+        if server.default_chat_max_tokens == 0 || server.default_completion_max_tokens == 0 {
+            return Err(ConfigError::Invalid(format!(
+                "server.default-chat-max-tokens and server.default-completion-max-tokens must be ≥ 1; got {} and {}",
+                server.default_chat_max_tokens, server.default_completion_max_tokens
+            )));
+        }
         if !(server.shutdown_grace_secs >= 0.0 && server.shutdown_grace_secs <= 3600.0) {
             return Err(ConfigError::Invalid(format!(
                 "server.shutdown-grace-secs must be between 0 and 3600, got {}",
@@ -460,9 +466,12 @@ impl Config {
             || engine.block_size == 0
             || engine.max_batch_tokens == 0
             || engine.max_running == 0
+            || engine.max_queue_requests == 0
+            || engine.max_queued_tokens == 0
         {
             return Err(ConfigError::Invalid(
-                "engine.kv-memory-mib, engine.block-size, engine.max-batch-tokens and engine.max-running must be ≥ 1"
+                "engine.kv-memory-mib, engine.block-size, engine.max-batch-tokens, engine.max-running, \
+                 engine.max-queue-requests and engine.max-queued-tokens must be ≥ 1"
                     .into(),
             ));
         }
@@ -498,8 +507,23 @@ impl Config {
                 runtime.epoch_tick_us
             )));
         }
-        if runtime.max_instances == 0 {
-            return Err(ConfigError::Invalid("plugin-runtime.max-instances must be at least 1".into()));
+        if !(1..=10_000).contains(&runtime.max_instances) {
+            return Err(ConfigError::Invalid(format!(
+                "plugin-runtime.max-instances must be between 1 and 10000, got {}",
+                runtime.max_instances
+            )));
+        }
+        if !(1..=65_536).contains(&runtime.max_memory_mib) {
+            return Err(ConfigError::Invalid(format!(
+                "plugin-runtime.max-memory-mib must be between 1 and 65536, got {}",
+                runtime.max_memory_mib
+            )));
+        }
+        if !(runtime.init_budget_ms > 0.0 && runtime.init_budget_ms <= 600_000.0) {
+            return Err(ConfigError::Invalid(format!(
+                "plugin-runtime.init-budget-ms must be in (0, 600000], got {}",
+                runtime.init_budget_ms
+            )));
         }
         let shared = &self.shared_state;
         if !(1..=60_000).contains(&shared.timeout_ms) || !(10..=600_000).contains(&shared.retry_interval_ms) {
@@ -542,9 +566,12 @@ impl Config {
             if actuator.command.first().is_none_or(|p| p.is_empty()) {
                 return Err(ConfigError::Invalid("scaling.actuator.command must name a program".into()));
             }
-            if !(actuator.min_interval_secs >= 0.0 && actuator.timeout_secs > 0.0 && actuator.timeout_secs <= 3600.0) {
+            if !((0.0..=86_400.0).contains(&actuator.min_interval_secs)
+                && actuator.timeout_secs > 0.0
+                && actuator.timeout_secs <= 3600.0)
+            {
                 return Err(ConfigError::Invalid(format!(
-                    "scaling.actuator.min-interval-secs must be ≥ 0 and timeout-secs in (0, 3600]; got {} and {}",
+                    "scaling.actuator.min-interval-secs must be in [0, 86400] and timeout-secs in (0, 3600]; got {} and {}",
                     actuator.min_interval_secs, actuator.timeout_secs
                 )));
             }
@@ -637,5 +664,22 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("used twice"), "{err}");
+    }
+
+    #[test]
+    fn values_that_would_break_serving_are_refused_by_name() {
+        for (toml, field) in [
+            ("[server]\ndefault-chat-max-tokens = 0\n", "default-chat-max-tokens"),
+            ("[engine]\nmax-queue-requests = 0\n", "max-queue-requests"),
+            ("[engine]\nmax-queued-tokens = 0\n", "max-queued-tokens"),
+            ("[plugin-runtime]\ninit-budget-ms = -1.0\n", "init-budget-ms"),
+            ("[plugin-runtime]\ninit-budget-ms = nan\n", "init-budget-ms"),
+            ("[plugin-runtime]\nmax-memory-mib = 17592186044416\n", "max-memory-mib"),
+            ("[plugin-runtime]\nmax-instances = 2000000000\n", "max-instances"),
+            ("[scaling.actuator]\ncommand = [\"true\"]\nmin-interval-secs = inf\n", "min-interval-secs"),
+        ] {
+            let err = Config::parse(toml).expect_err(toml).to_string();
+            assert!(err.contains(field), "{toml}: {err}");
+        }
     }
 }

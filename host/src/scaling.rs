@@ -111,9 +111,10 @@ impl LoadFigures {
         let max = |f: fn(&LoadFigures) -> f32| all.clone().map(f).fold(0.0f32, f32::max);
         let mean = |f: fn(&LoadFigures) -> f32| serving.iter().map(|l| f(l)).sum::<f32>() / n;
         Self {
-            queue_depth: all.clone().map(|l| l.queue_depth).sum(),
-            queued_tokens: all.clone().map(|l| l.queued_tokens).sum(),
-            running: all.clone().map(|l| l.running).sum(),
+            // Saturating: the figures come from other processes through Redis.
+            queue_depth: all.clone().fold(0u32, |a, l| a.saturating_add(l.queue_depth)),
+            queued_tokens: all.clone().fold(0, |a, l| a.saturating_add(l.queued_tokens)),
+            running: all.clone().fold(0u32, |a, l| a.saturating_add(l.running)),
             kv_usage: max(|l| l.kv_usage),
             latency_p50_ms: mean(|l| l.latency_p50_ms),
             latency_p95_ms: max(|l| l.latency_p95_ms),
@@ -455,7 +456,7 @@ impl Scaler {
         );
         let now_ms = unix_ms();
         let (current, changed_at_ms, tick) = match &previous {
-            Some(p) => (p.desired_replicas, p.changed_at_ms, p.tick + 1),
+            Some(p) => (p.desired_replicas, p.changed_at_ms, p.tick.saturating_add(1)),
             None => (signals.replicas.max(1), now_ms, 1),
         };
         signals.queue_trend = queue_trend;

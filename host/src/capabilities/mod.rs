@@ -157,7 +157,7 @@ impl Capabilities {
                 namespace: namespace.to_string(),
                 vector: vector.to_vec(),
                 payload: payload.clone(),
-                expires_unix_ms: if ttl_ms > 0 { shared::unix_ms() + ttl_ms } else { 0 },
+                expires_unix_ms: if ttl_ms > 0 { shared::unix_ms().saturating_add(ttl_ms) } else { 0 },
                 origin: shared.replica.clone(),
             };
             if let Err(failure) = shared.publish_vector(&entry).await {

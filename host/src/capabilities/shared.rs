@@ -57,6 +57,8 @@ local full_in_ms = 3600000
 if rate > 0 then
   full_in_ms = math.ceil((capacity - tokens) / rate * 1000) + 1000
 end
+-- Bounded (30 days) so that extreme rates still give an integer expiry.
+full_in_ms = math.min(full_in_ms, 2592000000)
 redis.call('PEXPIRE', KEYS[1], full_in_ms)
 return {allowed, string.format('%.17g', tokens), string.format('%.17g', wait)}
 "#;

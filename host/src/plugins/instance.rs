@@ -24,6 +24,9 @@ const HOST_CALL_GRACE: Duration = Duration::from_millis(2);
 /// Longest coalescing key a plugin may return.
 const MAX_KEY_BYTES: usize = 4096;
 
+/// Most replicas a scale decision may ask for.
+const MAX_REPLICAS: u32 = 10_000;
+
 /// How a loaded plugin is called: everything fixed at load time.
 #[derive(Clone)]
 pub struct CallSettings {
@@ -160,6 +163,10 @@ fn validate(answer: &Answer) -> Result<(), Fault> {
             }
             Ok(())
         }
+        Answer::Scale(d) if d.desired_replicas > MAX_REPLICAS => Err(Fault::Malformed(format!(
+            "scale desired-replicas must be ≤ {MAX_REPLICAS}, got {}",
+            d.desired_replicas
+        ))),
         _ => Ok(()),
     }
 }
