@@ -14,6 +14,12 @@ use std::sync::{Arc, Mutex, mpsc};
 const MAX_BATCH: usize = 32;
 /// Tokens of a text the model reads (the rest is cut).
 const MAX_TOKENS: usize = 256;
+/// Bytes of a text kept for embedding: well past what `MAX_TOKENS` tokens
+/// span, so the cut changes nothing the model reads but bounds the copy.
+const MAX_TEXT_BYTES: usize = MAX_TOKENS * 16;
+/// Texts waiting for the embedding thread; past this, `embed` fails at once
+/// rather than queueing work nobody may wait for.
+const QUEUE_DEPTH: usize = 128;
 
 /// Files the model folder must hold.
 pub const FILES: [&str; 6] = [
@@ -51,7 +57,7 @@ struct Job {
 
 /// The loaded model, behind its own thread.
 pub struct MiniLm {
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::SyncSender<Job>,
 }
 
 fn read(dir: &Path, name: &str) -> Result<Vec<u8>, EmbeddingError> {
@@ -115,7 +121,7 @@ impl MiniLm {
             .with_max_length(MAX_TOKENS);
         let mut embedding = TextEmbedding::try_new_from_user_defined(model, options)
             .map_err(|e| EmbeddingError::Load(format!("{}: {e}", dir.join("model.onnx").display())))?;
-        let (jobs, queue) = mpsc::channel::<Job>();
+        let (jobs, queue) = mpsc::sync_channel::<Job>(QUEUE_DEPTH);
         std::thread::Builder::new()
             .name("levee-embeddings".into())
             .spawn(move || {
@@ -150,9 +156,14 @@ impl MiniLm {
 impl Embedder for MiniLm {
     fn embed(&self, text: &str) -> Result<Vec<f32>, String> {
         let (reply, answer) = mpsc::channel();
-        self.jobs
-            .send(Job { text: text.to_string(), reply })
-            .map_err(|_| "the embedding thread has stopped".to_string())?;
+        let mut cut = text.len().min(MAX_TEXT_BYTES);
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        self.jobs.try_send(Job { text: text[..cut].to_string(), reply }).map_err(|e| match e {
+            mpsc::TrySendError::Full(_) => format!("the embedding queue is full ({QUEUE_DEPTH} texts waiting)"),
+            mpsc::TrySendError::Disconnected(_) => "the embedding thread has stopped".to_string(),
+        })?;
         answer.recv().map_err(|_| "the embedding thread has stopped".to_string())?
     }
 }

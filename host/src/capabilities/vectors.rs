@@ -12,18 +12,24 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// Limits of each namespace.
+/// Limits of each namespace, and of all of them together: plugins name
+/// namespaces from request fields, so their number is bounded too, the least
+/// recently used namespace going first.
 #[derive(Debug, Clone, Copy)]
 pub struct Bounds {
     /// Entries per namespace.
     pub max_entries: usize,
     /// Bytes (vectors + payloads) per namespace.
     pub max_bytes: usize,
+    /// Namespaces held at once.
+    pub max_namespaces: usize,
+    /// Bytes held by all namespaces together.
+    pub max_total_bytes: usize,
 }
 
 impl Default for Bounds {
     fn default() -> Self {
-        Self { max_entries: 100_000, max_bytes: 512 << 20 }
+        Self { max_entries: 100_000, max_bytes: 512 << 20, max_namespaces: 1024, max_total_bytes: 1 << 30 }
     }
 }
 
@@ -70,6 +76,8 @@ struct Namespace {
     bytes: usize,
     clock: u64,
     inserts: u64,
+    /// Last insert or search, for evicting whole namespaces.
+    touched: Option<Instant>,
 }
 
 impl Namespace {
@@ -155,6 +163,31 @@ impl LocalVectors {
         self.namespaces.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Evicts whole namespaces other than `namespace`, least recently used
+    /// first, until a new namespace fits the count and `incoming` bytes fit
+    /// the total.
+    fn make_room(&self, namespaces: &mut HashMap<String, Namespace>, namespace: &str, incoming: usize) {
+        let is_new = !namespaces.contains_key(namespace);
+        loop {
+            let total: usize = namespaces.values().map(|n| n.bytes).sum();
+            let over_count = is_new && namespaces.len() >= self.bounds.max_namespaces;
+            if !over_count && total + incoming <= self.bounds.max_total_bytes {
+                return;
+            }
+            let victim = namespaces
+                .iter()
+                .filter(|(name, _)| *name != namespace)
+                .min_by_key(|(_, n)| n.touched)
+                .map(|(k, _)| k.clone());
+            match victim {
+                Some(name) => {
+                    namespaces.remove(&name);
+                }
+                None => return,
+            }
+        }
+    }
+
     /// Stores `vector` (normalised) with `payload` for `ttl_ms` (0 = no expiry).
     pub fn insert(&self, namespace: &str, vector: &[f32], payload: Vec<u8>, ttl_ms: u64) -> Result<(), String> {
         let vector = unit(vector)?;
@@ -174,7 +207,9 @@ impl LocalVectors {
             ));
         }
         let mut namespaces = self.lock();
+        self.make_room(&mut namespaces, namespace, entry.bytes());
         let ns = namespaces.entry(namespace.to_string()).or_default();
+        ns.touched = Some(now);
         if let Some(dims) = ns.entries.first().map(|e| e.vector.len())
             && dims != entry.vector.len()
         {
@@ -210,6 +245,7 @@ impl LocalVectors {
         let now = Instant::now();
         let mut namespaces = self.lock();
         let Some(ns) = namespaces.get_mut(namespace) else { return Ok(Vec::new()) };
+        ns.touched = Some(now);
         if ns.entries.first().is_some_and(|e| e.vector.len() != query.len()) {
             return Ok(Vec::new());
         }
@@ -260,8 +296,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn namespaces_are_bounded_in_number_and_bytes_least_recently_used_first() {
+        let store = LocalVectors::new(Bounds { max_namespaces: 2, ..Bounds::default() });
+        store.insert("a", &[1.0, 0.0], b"a".to_vec(), 0).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+        store.insert("b", &[1.0, 0.0], b"b".to_vec(), 0).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+        assert_eq!(store.search("a", &[1.0, 0.0], 1, 0.0).unwrap().len(), 1, "a search touches `a`");
+        store.insert("c", &[1.0, 0.0], b"c".to_vec(), 0).unwrap();
+        assert_eq!(store.len("b"), 0, "`b` was the least recently used");
+        assert_eq!((store.len("a"), store.len("c")), (1, 1));
+
+        // Two 2-dimensional entries with 1-byte payloads fit; a third evicts the oldest namespace.
+        let store = LocalVectors::new(Bounds { max_total_bytes: 20, ..Bounds::default() });
+        store.insert("x", &[1.0, 0.0], b"x".to_vec(), 0).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+        store.insert("y", &[1.0, 0.0], b"y".to_vec(), 0).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+        store.insert("z", &[1.0, 0.0], b"z".to_vec(), 0).unwrap();
+        assert_eq!((store.len("x"), store.len("y"), store.len("z")), (0, 1, 1));
+    }
+
+    #[test]
     fn nearest_first_and_lru_bounded() {
-        let store = LocalVectors::new(Bounds { max_entries: 2, max_bytes: 1 << 20 });
+        let store = LocalVectors::new(Bounds { max_entries: 2, max_bytes: 1 << 20, ..Bounds::default() });
         store.insert("ns", &[1.0, 0.0], b"x".to_vec(), 0).unwrap();
         store.insert("ns", &[0.0, 1.0], b"y".to_vec(), 0).unwrap();
         let hits = store.search("ns", &[1.0, 0.1], 1, -1.0).unwrap();
@@ -277,7 +335,7 @@ mod tests {
 
     #[test]
     fn large_namespaces_find_the_exact_nearest_through_the_prefilter() {
-        let store = LocalVectors::new(Bounds { max_entries: 20_000, max_bytes: 1 << 30 });
+        let store = LocalVectors::new(Bounds { max_entries: 20_000, max_bytes: 1 << 30, ..Bounds::default() });
         let mut state = 7u64;
         let mut next = move || {
             state ^= state << 13;
@@ -301,7 +359,7 @@ mod tests {
 
     #[test]
     fn expired_entries_are_neither_found_nor_kept() {
-        let store = LocalVectors::new(Bounds { max_entries: 2, max_bytes: 1 << 20 });
+        let store = LocalVectors::new(Bounds { max_entries: 2, max_bytes: 1 << 20, ..Bounds::default() });
         store.insert("ns", &[1.0, 0.0], b"old".to_vec(), 1).unwrap();
         std::thread::sleep(Duration::from_millis(5));
         assert!(store.search("ns", &[1.0, 0.0], 1, 0.0).unwrap().is_empty());
