@@ -373,11 +373,19 @@ async fn follow(flights: Arc<Flights>, key: String, flight: Arc<Flight>, wire: S
         for id in reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids) {
             last = id.id.clone();
             progress = Instant::now();
+            // An event this replica cannot read would leave a gap in the
+            // relayed tokens: stop following and generate here instead.
             let text = match id.map.get("e") {
                 Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
-                _ => continue,
+                _ => {
+                    abandoned = true;
+                    break;
+                }
             };
-            let Some(event) = serde_json::from_str(&text).ok().as_ref().and_then(decode) else { continue };
+            let Some(event) = serde_json::from_str(&text).ok().as_ref().and_then(decode) else {
+                abandoned = true;
+                break;
+            };
             match event {
                 Ok(TokenEvent::Token(token)) => {
                     relayed += 1;
