@@ -140,6 +140,12 @@ fn validate(answer: &Answer) -> Result<(), Fault> {
             if response.choices.is_empty() {
                 return Err(Fault::Malformed("cache hit has no choices".into()));
             }
+            if let Some(c) = response.choices.iter().find(|c| !matches!(c.finish_reason.as_str(), "stop" | "length")) {
+                return Err(Fault::Malformed(format!(
+                    "cache hit finish-reason must be `stop` or `length`, got {:?}",
+                    c.finish_reason
+                )));
+            }
             Ok(())
         }
         Answer::Key(Some(key)) if key.is_empty() || key.len() > MAX_KEY_BYTES => {
