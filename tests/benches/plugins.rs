@@ -203,28 +203,19 @@ fn main() {
         let n = SAMPLES / ROUNDS;
         let mut all: [Vec<Duration>; 7] = Default::default();
         for _ in 0..ROUNDS {
-            all[0].extend(
-                measure(n, |i| {
-                    let chain = noop_chain.clone();
-                    let req = &requests[i % requests.len()];
-                    let load = &load;
-                    async move {
-                        black_box(chain.plugins()[0].admit(req, load).await.expect("noop admit"));
-                    }
-                })
-                .await,
-            );
-            all[1].extend(
-                measure(n, |i| {
-                    let chain = bucket_chain.clone();
-                    let req = &requests[i % requests.len()];
-                    let load = &load;
-                    async move {
-                        black_box(chain.plugins()[0].admit(req, load).await.expect("bucket admit"));
-                    }
-                })
-                .await,
-            );
+            for (slot, chain) in [(0, &noop_chain), (1, &bucket_chain)] {
+                all[slot].extend(
+                    measure(n, |i| {
+                        let chain = chain.clone();
+                        let req = &requests[i % requests.len()];
+                        let load = &load;
+                        async move {
+                            black_box(chain.plugins()[0].admit(req, load).await.expect("admit"));
+                        }
+                    })
+                    .await,
+                );
+            }
             all[2].extend(
                 measure(n, |i| {
                     let req = &requests[i % requests.len()];
