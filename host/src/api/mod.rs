@@ -120,27 +120,12 @@ async fn generate(app: Arc<App>, headers: HeaderMap, body: Body, chat: bool) -> 
     let body = body_bytes(body, app.limits.max_body_bytes)?;
     let policy_headers = validate::policy_headers(&headers);
     let engine = &app.pipeline.engine;
-    wire::check_fields(&body, if chat { wire::CHAT_FIELDS } else { wire::COMPLETION_FIELDS })?;
     let request = if chat {
-        validate::chat(
-            wire::parse(&body)?,
-            wire::parse(&body)?,
-            engine,
-            &app.pipeline.model,
-            &app.limits,
-            tenant,
-            policy_headers,
-        )?
+        let (fields, route) = wire::parse_generation(&body, wire::CHAT_FIELDS)?;
+        validate::chat(fields, route, engine, &app.pipeline.model, &app.limits, tenant, policy_headers)?
     } else {
-        validate::completion(
-            wire::parse(&body)?,
-            wire::parse(&body)?,
-            engine,
-            &app.pipeline.model,
-            &app.limits,
-            tenant,
-            policy_headers,
-        )?
+        let (fields, route) = wire::parse_generation(&body, wire::COMPLETION_FIELDS)?;
+        validate::completion(fields, route, engine, &app.pipeline.model, &app.limits, tenant, policy_headers)?
     };
     let stream = request.stream;
     let plan = app.pipeline.plan(request).await?;

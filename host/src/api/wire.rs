@@ -212,13 +212,12 @@ fn asks_for_nothing(field: &str, value: &serde_json::Value) -> Option<bool> {
 
 /// Refuses a field this server does not read, naming it: unknown fields,
 /// and known ones (tools, response formats, ...) that ask for something
-/// Levee does not do. A body that is not a JSON object is left to the typed
-/// parse, which explains itself.
-pub fn check_fields(body: &[u8], route_fields: &[&str]) -> Result<(), super::error::ApiError> {
-    let Ok(serde_json::Value::Object(fields)) = serde_json::from_slice::<serde_json::Value>(body) else {
-        return Ok(());
-    };
-    for (name, value) in &fields {
+/// Levee does not do.
+fn check_fields(
+    fields: &serde_json::Map<String, serde_json::Value>,
+    route_fields: &[&str],
+) -> Result<(), super::error::ApiError> {
+    for (name, value) in fields {
         if COMMON_FIELDS.contains(&name.as_str()) || route_fields.contains(&name.as_str()) {
             continue;
         }
@@ -232,17 +231,36 @@ pub fn check_fields(body: &[u8], route_fields: &[&str]) -> Result<(), super::err
     Ok(())
 }
 
+/// Parses a generation body once: the common fields and the route's own
+/// (`route_fields` names them), after refusing any field neither reads.
+pub fn parse_generation<R: serde::de::DeserializeOwned>(
+    body: &[u8],
+    route_fields: &[&str],
+) -> Result<(CommonFields, R), super::error::ApiError> {
+    let value: serde_json::Value = parse(body)?;
+    let Some(fields) = value.as_object() else {
+        return Err(super::error::ApiError::Invalid { message: "the body must be a JSON object".into(), param: None });
+    };
+    check_fields(fields, route_fields)?;
+    Ok((from_value(&value)?, from_value(&value)?))
+}
+
+/// Turns a serde error at `path` into the API's error naming the field.
+fn field_error(path: String, inner: impl std::fmt::Display) -> super::error::ApiError {
+    let message = if path == "." || path.is_empty() {
+        format!("the body is not a valid request: {inner}")
+    } else {
+        format!("`{path}` is invalid: {inner}")
+    };
+    super::error::ApiError::Invalid { message, param: (path != ".").then_some(path) }
+}
+
+fn from_value<T: serde::de::DeserializeOwned>(value: &serde_json::Value) -> Result<T, super::error::ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| field_error(e.path().to_string(), e.into_inner()))
+}
+
 /// Parses a JSON body, naming the field of the first error.
 pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, super::error::ApiError> {
     let mut deserializer = serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        let message = if path == "." || path.is_empty() {
-            format!("the body is not a valid request: {inner}")
-        } else {
-            format!("`{path}` is invalid: {inner}")
-        };
-        super::error::ApiError::Invalid { message, param: (path != ".").then_some(path) }
-    })
+    serde_path_to_error::deserialize(&mut deserializer).map_err(|e| field_error(e.path().to_string(), e.into_inner()))
 }
