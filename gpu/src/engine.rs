@@ -254,6 +254,13 @@ impl EngineHandle {
         if r.max_tokens == 0 {
             return invalid("max_tokens must be at least 1".into());
         }
+        if r.prompt.len() > self.config.max_queued_tokens {
+            return invalid(format!(
+                "the prompt has {} tokens; the queue holds at most {} prompt tokens",
+                r.prompt.len(),
+                self.config.max_queued_tokens
+            ));
+        }
         let vocab = self.info.config.vocab_size;
         if let Some(t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
             return invalid(format!("prompt token id {t} is outside the vocabulary of {vocab}"));

@@ -66,8 +66,11 @@ impl SamplingParams {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
         }
-        if self.repetition_penalty <= 0.0 {
-            return Err(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
+        if !(0.01..=100.0).contains(&self.repetition_penalty) {
+            return Err(format!("repetition_penalty must be between 0.01 and 100, got {}", self.repetition_penalty));
+        }
+        if !(0.0..=100.0).contains(&self.temperature) {
+            return Err(format!("temperature must be between 0 and 100, got {}", self.temperature));
         }
         if self.logprobs.is_some_and(|n| n > 20) {
             return Err(format!("logprobs must be at most 20, got {}", self.logprobs.unwrap_or(0)));
@@ -114,6 +117,10 @@ impl Rng {
 /// Candidates kept before falling back to a full sort for top-p.
 const TOP_P_FIRST_CUT: usize = 64;
 
+/// Temperatures below this decode greedily (as in vLLM): dividing logits by
+/// them would overflow.
+pub const GREEDY_BELOW: f32 = 1e-5;
+
 /// Per-sequence sampling state: the random generator and token counts.
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -121,7 +128,7 @@ pub struct Sampler {
     rng: Rng,
     /// Times each token was generated (for frequency/presence penalties).
     generated: HashMap<u32, u32>,
-    /// Tokens of the prompt (for the repetition penalty).
+    /// Distinct tokens of the prompt, sorted (for the repetition penalty).
     prompt: Vec<u32>,
     candidates: Vec<(u32, f32)>,
 }
@@ -130,7 +137,14 @@ impl Sampler {
     /// A sampler for one sequence; `fallback_seed` is used when the request names none.
     pub fn new(params: SamplingParams, prompt: &[u32], fallback_seed: u64) -> Sampler {
         let seed = params.seed.unwrap_or(fallback_seed);
-        let prompt = if params.repetition_penalty != 1.0 { prompt.to_vec() } else { Vec::new() };
+        let prompt = if params.repetition_penalty != 1.0 {
+            let mut distinct = prompt.to_vec();
+            distinct.sort_unstable();
+            distinct.dedup();
+            distinct
+        } else {
+            Vec::new()
+        };
         Sampler { params, rng: Rng(seed), generated: HashMap::new(), prompt, candidates: Vec::new() }
     }
 
@@ -143,9 +157,7 @@ impl Sampler {
     /// penalty, no log-probabilities), so that a backend may pick the token
     /// where the logits are (see `Backend::forward_greedy`).
     pub fn is_plain_greedy(&self) -> bool {
-        (self.params.temperature <= 0.0 || self.params.top_k == 1)
-            && !self.params.penalized()
-            && self.params.logprobs.is_none()
+        self.greedy() && !self.params.penalized() && self.params.logprobs.is_none()
     }
 
     /// Records a token chosen elsewhere (by a backend's greedy pick) as
@@ -166,21 +178,24 @@ impl Sampler {
         if self.params.penalized() {
             self.penalize(logits);
         }
-        let token =
-            if self.params.temperature <= 0.0 || self.params.top_k == 1 { argmax(logits) } else { self.draw(logits) };
+        let token = if self.greedy() { argmax(logits) } else { self.draw(logits) };
         self.record(token);
         let logprobs = raw.map(|(raw, lse)| Logprobs { logprob: raw[token as usize] - lse, top });
         (token, logprobs)
+    }
+
+    fn greedy(&self) -> bool {
+        self.params.temperature < GREEDY_BELOW || self.params.top_k == 1
     }
 
     fn penalize(&self, logits: &mut [f32]) {
         let rp = self.params.repetition_penalty;
         let apply_rp = |l: &mut f32| *l = if *l > 0.0 { *l / rp } else { *l * rp };
         if rp != 1.0 {
-            let mut seen: Vec<u32> = self.prompt.iter().chain(self.generated.keys()).copied().collect();
-            seen.sort_unstable();
-            seen.dedup();
-            for t in seen {
+            // Each token seen once: the prompt's (sorted, distinct) then the
+            // generated ones the prompt does not hold.
+            let in_prompt = |t: &u32| self.prompt.binary_search(t).is_ok();
+            for &t in self.prompt.iter().chain(self.generated.keys().filter(|t| !in_prompt(t))) {
                 if let Some(l) = logits.get_mut(t as usize) {
                     apply_rp(l);
                 }

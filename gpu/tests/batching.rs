@@ -140,6 +140,60 @@ fn high_priority_requests_finish_first_and_none_is_lost() {
 }
 
 #[test]
+fn a_preempted_request_that_waits_too_long_fails_instead_of_stalling() {
+    // Room for one of the two generations: when the cache runs out, the
+    // low-priority one is preempted, and the urgent one then has ~90 tokens
+    // to go, far longer than the 100 ms a preempted request may wait.
+    let config = EngineConfig {
+        kv_budget: KvBudget::Blocks(14),
+        queue_timeout: Duration::from_millis(100),
+        ..support::small_config()
+    };
+    let engine = Engine::start(support::load_model(), config).expect("engine starts");
+    let prompt = engine.tokenizer().encode("Tell me about the sea.");
+    let request = |priority| {
+        let mut r = GenerationRequest::new(prompt.clone(), 200);
+        r.priority = priority;
+        r.sampling.ignore_eos = true;
+        r
+    };
+    let mut low = engine.submit(request(5)).expect("accepted");
+    assert!(matches!(low.blocking_next(), Some(Ok(TokenEvent::Token(_)))), "the low-priority request starts");
+    let urgent = engine.submit(request(0)).expect("accepted");
+    let low = low.blocking_collect().map(|(t, c)| (t.len(), c.timing.preemptions));
+    let urgent = urgent.blocking_collect().map(|(t, _)| t.len());
+    assert!(matches!(low, Err(EngineError::QueueTimeout { .. })), "{low:?}");
+    assert!(matches!(urgent, Ok(200)), "{urgent:?}");
+    let stats = settled(&engine);
+    assert!(stats.preemptions >= 1);
+    assert_eq!((stats.running, stats.kv_used_blocks), (0, 0), "{stats:?}");
+}
+
+#[test]
+fn no_sequence_is_preempted_when_that_cannot_make_room() {
+    // A long urgent prompt holds most of the cache and a short low-priority
+    // generation a little; a middle-priority prompt that needs more than the
+    // low one could ever free waits, and the low one keeps its cache.
+    let config = EngineConfig { kv_budget: KvBudget::Blocks(14), ..support::small_config() };
+    let engine = Engine::start(support::load_model(), config).expect("engine starts");
+    let text = |words: usize| "the sea and the sky ".repeat(words / 5);
+    let request = |prompt: &str, priority, n| {
+        let mut r = GenerationRequest::new(engine.tokenizer().encode(prompt), n);
+        r.priority = priority;
+        r.sampling.ignore_eos = true;
+        r
+    };
+    // 16-token blocks: the urgent one grows to 10 blocks, the low one to 3 (13 of 14).
+    let urgent = engine.submit(request(&text(150), 0, 10)).expect("accepted");
+    let mut low = engine.submit(request("Tell me about the sea.", 5, 40)).expect("accepted");
+    assert!(matches!(low.blocking_next(), Some(Ok(TokenEvent::Token(_)))), "the low-priority request starts");
+    let middle = engine.submit(request(&text(100), 1, 10)).expect("accepted");
+    let low = low.blocking_collect().map(|(t, c)| (t.len(), c.timing.preemptions));
+    assert_eq!(low.expect("completes"), (39, 0), "the low-priority request was not preempted");
+    assert!(urgent.blocking_collect().is_ok() && middle.blocking_collect().is_ok());
+}
+
+#[test]
 fn every_request_completes_or_gets_a_distinct_error() {
     let config = EngineConfig {
         kv_budget: KvBudget::Blocks(8),

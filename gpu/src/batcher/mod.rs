@@ -192,20 +192,24 @@ impl Batcher {
         });
     }
 
-    /// Fails requests that waited too long for their first admission.
+    /// Fails requests that waited too long: for their first admission, or,
+    /// once preempted, to run again (higher-priority work may keep a
+    /// preempted sequence waiting; its client gets an error, not silence).
     fn expire_waiting(&mut self) {
         let limit = self.config.queue_timeout;
         let now = Instant::now();
-        let expired: Vec<(i32, u64)> = self
-            .waiting
-            .iter()
-            .filter(|(_, s)| s.first_admitted.is_none() && now - s.submitted > limit)
-            .map(|(k, _)| *k)
-            .collect();
+        let since = |s: &Sequence| match (s.first_admitted, s.preempted_at) {
+            (None, _) => Some(s.submitted),
+            (Some(_), preempted) => preempted,
+        };
+        let expired: Vec<(i32, u64)> =
+            self.waiting.iter().filter(|(_, s)| since(s).is_some_and(|t| now - t > limit)).map(|(k, _)| *k).collect();
         for key in expired {
             if let Some(s) = self.waiting.remove(&key) {
-                self.shared.dequeue(s.prompt_len);
-                let waited = now - s.submitted;
+                if s.first_admitted.is_none() {
+                    self.shared.dequeue(s.prompt_len);
+                }
+                let waited = since(&s).map_or(Duration::ZERO, |t| now - t);
                 s.fail(EngineError::QueueTimeout { waited, limit });
             }
         }

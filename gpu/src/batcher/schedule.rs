@@ -87,6 +87,13 @@ impl Scheduler<'_> {
             let needed = head.table.shortfall(self.layout, head.computed + n);
             if self.pool.free() < needed + watermark {
                 let priority = head.priority;
+                // Preempt only when the lower-priority sequences together
+                // free enough: losing their caches for nothing helps no one.
+                let reclaimable: usize =
+                    self.running.iter().filter(|s| s.priority > priority).map(|s| s.table.blocks().len()).sum();
+                if self.pool.free() + reclaimable < needed + watermark {
+                    break;
+                }
                 match victim(self.running) {
                     Some(v) if self.running[v].priority > priority => {
                         *budget += self.preempt(v, out);
@@ -104,6 +111,7 @@ impl Scheduler<'_> {
                 s.first_admitted = Some(std::time::Instant::now());
                 out.started += 1;
             }
+            s.preempted_at = None;
             *self.admissions += 1;
             s.admitted = *self.admissions;
             s.planned = n;
@@ -121,6 +129,7 @@ impl Scheduler<'_> {
         s.table.release(self.pool);
         s.computed = 0;
         s.preemptions += 1;
+        s.preempted_at = Some(std::time::Instant::now());
         out.preemptions += 1;
         self.waiting.insert((s.priority, s.arrival), s);
         refund

@@ -35,6 +35,8 @@ pub(crate) struct Sequence {
     pub table: BlockTable,
     pub submitted: Instant,
     pub first_admitted: Option<Instant>,
+    /// When it was last preempted, if it waits again after running.
+    pub preempted_at: Option<Instant>,
     pub preemptions: u32,
     sampler: Sampler,
     decoder: Decoder,
@@ -72,6 +74,7 @@ impl Sequence {
             table: BlockTable::default(),
             submitted: n.submitted,
             first_admitted: None,
+            preempted_at: None,
             preemptions: 0,
             sampler: n.sampler,
             decoder: Decoder::default(),

@@ -284,21 +284,29 @@ impl Decoder {
             return;
         }
         self.pending.extend_from_slice(tokenizer.token_bytes(id));
-        let valid = match std::str::from_utf8(&self.pending) {
-            Ok(s) => s.len(),
-            // An incomplete character at the end waits for the next token;
-            // an invalid byte in the middle is replaced.
-            Err(e) if e.error_len().is_none() => e.valid_up_to(),
-            Err(_) => {
-                out.push_str(&String::from_utf8_lossy(&self.pending));
-                self.pending.clear();
-                return;
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    out.push_str(s);
+                    self.pending.clear();
+                    return;
+                }
+                // An incomplete character at the end waits for the next token.
+                Err(e) if e.error_len().is_none() => {
+                    let valid = e.valid_up_to();
+                    out.push_str(std::str::from_utf8(&self.pending[..valid]).unwrap_or_default());
+                    self.pending.drain(..valid);
+                    return;
+                }
+                // An invalid sequence is replaced, and only it: what follows
+                // may still be (the start of) a valid character.
+                Err(e) => {
+                    let end = e.valid_up_to() + e.error_len().unwrap_or(1);
+                    out.push_str(&String::from_utf8_lossy(&self.pending[..end]));
+                    self.pending.drain(..end);
+                }
             }
-        };
-        if let Ok(s) = std::str::from_utf8(&self.pending[..valid]) {
-            out.push_str(s);
         }
-        self.pending.drain(..valid);
     }
 
     /// Flushes held bytes at the end of a stream, replacing invalid ones.
@@ -347,5 +355,32 @@ impl TokenizerSpec {
             .collect();
         let split_digits = json["pre_tokenizer"].to_string().contains("\"individual_digits\":true");
         Ok(TokenizerSpec { tokens, merges, special, bos: None, eos: None, add_bos: false, split_digits })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_invalid_byte_spoils_only_itself_in_a_stream() {
+        let chars = byte_chars();
+        let spec = TokenizerSpec {
+            tokens: chars.iter().map(char::to_string).collect(),
+            merges: Vec::new(),
+            special: Vec::new(),
+            bos: None,
+            eos: None,
+            add_bos: false,
+            split_digits: false,
+        };
+        let tokenizer = Tokenizer::new(spec).expect("tokenizer");
+        let (mut decoder, mut out) = (Decoder::default(), String::new());
+        // A lone lead byte, a space, then 你 (E4 BD A0) split over three tokens.
+        for byte in [0xe4u8, 0x20, 0xe4, 0xbd, 0xa0] {
+            decoder.push(&tokenizer, u32::from(byte), &mut out);
+        }
+        decoder.finish(&mut out);
+        assert_eq!(out, "\u{fffd} 你");
     }
 }

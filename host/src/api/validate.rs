@@ -70,9 +70,6 @@ const MAX_STOP_BYTES: usize = 1024;
 /// Most stop token ids one request may name.
 const MAX_STOP_TOKEN_IDS: usize = 256;
 
-/// Temperatures below this decode greedily.
-const GREEDY_BELOW: f32 = 1e-5;
-
 fn range_f32(param: &str, value: Option<f32>, default: f32, min: f32, max: f32) -> Result<f32, ApiError> {
     let value = value.unwrap_or(default);
     if !(value.is_finite() && value >= min && value <= max) {
@@ -176,7 +173,7 @@ fn common(fields: &CommonFields, limits: &ServerConfig) -> Result<Common, ApiErr
     let sampling = SamplingParams {
         // As in vLLM, a temperature this small is greedy decoding (dividing
         // logits by it would overflow).
-        temperature: if temperature < GREEDY_BELOW { 0.0 } else { temperature },
+        temperature: if temperature < levee_gpu::sampling::GREEDY_BELOW { 0.0 } else { temperature },
         top_k,
         top_p,
         seed,
