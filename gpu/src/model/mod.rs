@@ -327,16 +327,8 @@ mod tests {
 
     #[test]
     fn a_tokenizer_larger_than_the_embedding_table_is_refused() {
-        let spec = TokenizerSpec {
-            tokens: ["a", "b", "c"].map(String::from).to_vec(),
-            merges: Vec::new(),
-            special: Vec::new(),
-            bos: None,
-            eos: None,
-            add_bos: false,
-            split_digits: false,
-        };
-        let tokenizer = Tokenizer::new(spec).expect("tokenizer");
+        let tokenizer =
+            Tokenizer::new(TokenizerSpec::plain(["a", "b", "c"].map(String::from).to_vec())).expect("tokenizer");
         assert!(check_vocab("m/tokenizer.json", &config(3), &tokenizer).is_ok());
         assert!(check_vocab("m/tokenizer.json", &config(4), &tokenizer).is_ok(), "padded tables are fine");
         let err = check_vocab("m/tokenizer.json", &config(2), &tokenizer).expect_err("refused").to_string();

@@ -319,6 +319,21 @@ impl Decoder {
 }
 
 impl TokenizerSpec {
+    /// A vocabulary of `tokens` and nothing else (no merges, no special
+    /// tokens), for unit tests.
+    #[cfg(test)]
+    pub(crate) fn plain(tokens: Vec<String>) -> TokenizerSpec {
+        TokenizerSpec {
+            tokens,
+            merges: Vec::new(),
+            special: Vec::new(),
+            bos: None,
+            eos: None,
+            add_bos: false,
+            split_digits: false,
+        }
+    }
+
     /// Reads a Hugging Face `tokenizer.json` (byte-level BPE only).
     pub fn from_tokenizer_json(json: &serde_json::Value) -> Result<TokenizerSpec, TokenizerError> {
         let model = &json["model"];
@@ -364,16 +379,7 @@ mod tests {
 
     #[test]
     fn an_invalid_byte_spoils_only_itself_in_a_stream() {
-        let chars = byte_chars();
-        let spec = TokenizerSpec {
-            tokens: chars.iter().map(char::to_string).collect(),
-            merges: Vec::new(),
-            special: Vec::new(),
-            bos: None,
-            eos: None,
-            add_bos: false,
-            split_digits: false,
-        };
+        let spec = TokenizerSpec::plain(byte_chars().iter().map(char::to_string).collect());
         let tokenizer = Tokenizer::new(spec).expect("tokenizer");
         let (mut decoder, mut out) = (Decoder::default(), String::new());
         // A lone lead byte, a space, then 你 (E4 BD A0) split over three tokens.
