@@ -67,7 +67,26 @@ def main(base: str) -> None:
     else:
         raise AssertionError("an unknown model was accepted")
 
-    print("openai client: chat, completions, streaming and errors ok")
+    retrieved = client.models.retrieve(model)
+    assert retrieved.id == model, retrieved
+    try:
+        client.models.retrieve("no-such-model")
+    except openai.NotFoundError as error:
+        assert "no-such-model" in str(error), error
+    else:
+        raise AssertionError("an unknown model was retrieved")
+
+    try:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi " * 20000}], max_tokens=4
+        )
+    except openai.BadRequestError as error:
+        assert error.code == "context_length_exceeded", error
+        assert error.param == "messages", error
+    else:
+        raise AssertionError("a chat over the context was accepted")
+
+    print("openai client: chat, completions, streaming, models and errors ok")
 
 
 if __name__ == "__main__":

@@ -161,7 +161,11 @@ impl Engine {
             max_seqs: config.max_running,
         };
         let backend::Started { backend, layout, choice } = backend::start(&model, &options)?;
-        let max_context = config.max_context.unwrap_or(model.config.max_context).min(model.config.max_context);
+        // Advertise only what one sequence can hold: a context longer than
+        // the whole KV cache would accept requests that can never run.
+        let kv_tokens = layout.num_blocks * layout.block_size;
+        let max_context =
+            config.max_context.unwrap_or(model.config.max_context).min(model.config.max_context).min(kv_tokens);
         let shared = Arc::new(Shared {
             queue: Mutex::new(QueueCounts::default()),
             stats: SharedStats::new(layout),
@@ -231,6 +235,9 @@ impl EngineHandle {
                 || q.tokens + request.prompt.len() > self.config.max_queued_tokens
             {
                 return Err(EngineError::QueueFull { requests: q.requests, tokens: q.tokens });
+            }
+            if q.requests == 0 {
+                self.shared.stats.work_arrived();
             }
             q.requests += 1;
             q.tokens += request.prompt.len();

@@ -2,7 +2,7 @@
 //! running sequences, KV usage, throughput, step time, preemptions.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::kv::KvLayout;
@@ -40,6 +40,12 @@ pub struct EngineStats {
     pub generated_tokens: u64,
     /// Sequences admitted for the first time so far.
     pub sequences_started: u64,
+    /// Time since the engine last showed progress: a step that ran tokens
+    /// or moved sequences, or work arriving at an idle engine, whichever is
+    /// later. With work held, a long one is evidence of a stall.
+    pub since_progress: Duration,
+    /// A step is running now (its sequences may already have left the queue).
+    pub stepping: bool,
 }
 
 /// Window over which tokens/s figures are averaged.
@@ -58,6 +64,10 @@ pub(crate) struct SharedStats {
     preemptions: AtomicU64,
     generated: AtomicU64,
     started: AtomicU64,
+    /// When the stats were created; `progress` counts nanoseconds from it.
+    epoch: Instant,
+    progress: AtomicU64,
+    stepping: AtomicBool,
 }
 
 /// What the step loop reports after a step.
@@ -86,6 +96,27 @@ impl SharedStats {
             preemptions: AtomicU64::new(0),
             generated: AtomicU64::new(0),
             started: AtomicU64::new(0),
+            epoch: Instant::now(),
+            progress: AtomicU64::new(0),
+            stepping: AtomicBool::new(false),
+        }
+    }
+
+    /// Marks progress now (a step ended, or work arrived while idle).
+    fn progressed(&self) {
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        self.progress.fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// A step is about to run its batch.
+    pub fn step_started(&self) {
+        self.stepping.store(true, Ordering::Relaxed);
+    }
+
+    /// Work arrived: a stall is measured from now at the earliest.
+    pub fn work_arrived(&self) {
+        if self.running.load(Ordering::Relaxed) == 0 && self.preempted_waiting.load(Ordering::Relaxed) == 0 {
+            self.progressed();
         }
     }
 
@@ -108,6 +139,11 @@ impl SharedStats {
             preemptions: self.preemptions.load(Ordering::Relaxed),
             generated_tokens: self.generated.load(Ordering::Relaxed),
             sequences_started: self.started.load(Ordering::Relaxed),
+            since_progress: self
+                .epoch
+                .elapsed()
+                .saturating_sub(Duration::from_nanos(self.progress.load(Ordering::Relaxed))),
+            stepping: self.stepping.load(Ordering::Relaxed),
         }
     }
 }
@@ -140,6 +176,11 @@ impl RateWindow {
         shared.preemptions.fetch_add(r.preemptions, o);
         shared.generated.fetch_add(r.decode_tokens, o);
         shared.started.fetch_add(r.started, o);
+        shared.stepping.store(false, o);
+        // A step that could run nothing is no progress.
+        if r.prefill_tokens + r.decode_tokens + r.started + r.preemptions > 0 {
+            shared.progressed();
+        }
     }
 
     /// Publishes an idle engine (no steps running).

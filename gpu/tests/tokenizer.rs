@@ -37,6 +37,7 @@ fn encodes_like_the_reference_tokenizer_and_round_trips() {
         let ids = model.tokenizer.encode(text);
         assert_eq!(ids, expected, "encoding of {text:?}");
         assert_eq!(model.tokenizer.decode(&ids), text, "decoding of {text:?}");
+        assert!(model.tokenizer.fewest_tokens(text) <= ids.len(), "the lower bound for {text:?}");
     }
 }
 
@@ -53,6 +54,8 @@ fn adversarial_inputs_encode_and_round_trip() {
     for text in [&long_word, &specials, &mixed] {
         let ids = tokenizer.encode(text);
         assert!(!ids.is_empty());
+        let bound = tokenizer.fewest_tokens(text);
+        assert!(bound > 0 && bound <= ids.len(), "{bound} > {} tokens", ids.len());
         assert_eq!(tokenizer.decode(&ids), *text);
     }
     let im_start = tokenizer.token_id("<|im_start|>").expect("special token");

@@ -5,7 +5,6 @@ use crate::server::{self, Levee};
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// Levee: an LLM inference server whose traffic policies are hot-swappable
@@ -91,14 +90,24 @@ fn load_config(args: &ServeArgs) -> anyhow::Result<Config> {
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = load_config(&args)?;
     let levee = Levee::start(&config).await?;
-    let listener = tokio::net::TcpListener::bind(&config.server.listen)
+    let backlog = config.server.max_connections.clamp(1024, 65_535) as u32;
+    let listener = crate::listener::bind(&config.server.listen, backlog)
         .await
         .with_context(|| format!("cannot listen on {}", config.server.listen))?;
     tracing::info!(addr = %listener.local_addr()?, "listening");
+    match crate::listener::raise_open_files_limit() {
+        Some(limit) if (limit as usize) < config.server.max_connections + 64 => tracing::warn!(
+            limit,
+            max_connections = config.server.max_connections,
+            "the open-file limit is below server.max-connections; connections past it fail to be accepted"
+        ),
+        _ => {}
+    }
     let app = levee.app.clone();
-    let grace = Duration::from_secs_f64(config.server.shutdown_grace_secs);
+    let serving = levee.serving(Duration::from_secs_f64(config.server.shutdown_grace_secs));
     let drain_app = app.clone();
-    server::serve(listener, levee.router(), move || drain_app.draining.store(true, Ordering::Relaxed), grace).await?;
+    crate::listener::serve(listener, levee.router(), serving, server::shutdown_signal(), move || drain_app.drain())
+        .await?;
     app.scaling.leave().await;
     tracing::info!("stopped");
     Ok(())
@@ -110,7 +119,10 @@ pub fn main() -> anyhow::Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("LEVEE_LOG").unwrap_or_else(|_| "info".into()))
         .init();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
-    match Cli::parse().command {
+    let result = match Cli::parse().command {
         Command::Serve(args) => runtime.block_on(serve(args)),
-    }
+    };
+    // Connections still open (idle, half-sent) are dropped here, not waited for.
+    runtime.shutdown_timeout(Duration::from_millis(500));
+    result
 }

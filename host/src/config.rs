@@ -52,6 +52,29 @@ pub struct ServerConfig {
     pub default_chat_max_tokens: u32,
     /// `max_tokens` of a completions request that does not say (OpenAI's default).
     pub default_completion_max_tokens: u32,
+    /// Longest wait for a request's headers, seconds, counted from when the
+    /// connection starts waiting for a request: a new connection, or one kept
+    /// alive after a response. Slow senders and idle keep-alive connections
+    /// are closed after it.
+    pub header_read_timeout_secs: f64,
+    /// Longest pause between two pieces of a request body, seconds (then 408).
+    pub body_read_timeout_secs: f64,
+    /// Slowest average rate a body may arrive at, bytes per second, after
+    /// its first `body-read-timeout-secs`.
+    pub min_body_bytes_per_sec: u64,
+    /// Longest a response may wait for the client to take more of it, seconds;
+    /// then the connection is closed.
+    pub write_timeout_secs: f64,
+    /// Most open client connections; past it a connection gets 503 and is closed.
+    pub max_connections: usize,
+    /// Threads for CPU-heavy request work (parsing, chat templates,
+    /// tokenizing), kept off the async workers; 0 = half the cores, at least 1.
+    pub prepare_threads: usize,
+    /// Requests that may wait for those threads; past it a request gets 503.
+    pub prepare_queue: usize,
+    /// `/ready` fails once the engine has held work this long, seconds,
+    /// without taking a step (counted from when the work arrived).
+    pub ready_stall_secs: f64,
 }
 
 impl Default for ServerConfig {
@@ -65,6 +88,14 @@ impl Default for ServerConfig {
             max_stop: 16,
             default_chat_max_tokens: 512,
             default_completion_max_tokens: 16,
+            header_read_timeout_secs: 15.0,
+            body_read_timeout_secs: 15.0,
+            min_body_bytes_per_sec: 16 << 10,
+            write_timeout_secs: 30.0,
+            max_connections: 4096,
+            prepare_threads: 0,
+            prepare_queue: 256,
+            ready_stall_secs: 30.0,
         }
     }
 }
@@ -443,9 +474,10 @@ impl Config {
     /// Checks ranges and cross-field rules.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let server = &self.server;
-        if server.max_n == 0 || server.max_prompts == 0 || server.max_body_bytes < 1024 {
+        if server.max_n == 0 || server.max_prompts == 0 || !(1024..=1 << 30).contains(&server.max_body_bytes) {
             return Err(ConfigError::Invalid(format!(
-                "server.max-n and server.max-prompts must be ≥ 1 and server.max-body-bytes ≥ 1024; got {}, {}, {}",
+                "server.max-n and server.max-prompts must be ≥ 1 and server.max-body-bytes between 1024 and 1 GiB; \
+                 got {}, {}, {}",
                 server.max_n, server.max_prompts, server.max_body_bytes
             )));
         }
@@ -459,6 +491,29 @@ impl Config {
             return Err(ConfigError::Invalid(format!(
                 "server.shutdown-grace-secs must be between 0 and 3600, got {}",
                 server.shutdown_grace_secs
+            )));
+        }
+        for (name, secs) in [
+            ("server.header-read-timeout-secs", server.header_read_timeout_secs),
+            ("server.body-read-timeout-secs", server.body_read_timeout_secs),
+            ("server.ready-stall-secs", server.ready_stall_secs),
+            ("server.write-timeout-secs", server.write_timeout_secs),
+        ] {
+            if !(secs > 0.0 && secs <= 3600.0) {
+                return Err(ConfigError::Invalid(format!("{name} must be > 0 and ≤ 3600, got {secs}")));
+            }
+        }
+        if server.min_body_bytes_per_sec == 0 || server.max_connections == 0 || server.prepare_queue == 0 {
+            return Err(ConfigError::Invalid(format!(
+                "server.min-body-bytes-per-sec, server.max-connections and server.prepare-queue must be ≥ 1; \
+                 got {}, {}, {}",
+                server.min_body_bytes_per_sec, server.max_connections, server.prepare_queue
+            )));
+        }
+        if server.prepare_threads > 1024 {
+            return Err(ConfigError::Invalid(format!(
+                "server.prepare-threads must be ≤ 1024, got {}",
+                server.prepare_threads
             )));
         }
         let engine = &self.engine;

@@ -7,6 +7,7 @@ pub mod capabilities;
 pub mod cli;
 pub mod coalesce;
 pub mod config;
+pub mod listener;
 pub mod metrics;
 pub mod pipeline;
 pub mod plugins;

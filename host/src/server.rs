@@ -8,6 +8,7 @@ use crate::capabilities::embeddings::MiniLm;
 use crate::capabilities::shared::SharedState;
 use crate::coalesce::{Flights, Remote};
 use crate::config::Config;
+use crate::listener::Serving;
 use crate::metrics::header;
 use crate::pipeline::Pipeline;
 use crate::plugins::bindings::Hook;
@@ -213,6 +214,19 @@ impl Levee {
     pub fn router(&self) -> Router {
         router(self.app.clone(), self.admin.clone())
     }
+
+    /// How the listener treats connections, from `[server]`, with `grace`
+    /// for requests in flight after the signal.
+    pub fn serving(&self, grace: Duration) -> Serving {
+        let limits = &self.app.limits;
+        Serving {
+            header_read_timeout: Duration::from_secs_f64(limits.header_read_timeout_secs),
+            write_timeout: Duration::from_secs_f64(limits.write_timeout_secs),
+            max_connections: limits.max_connections,
+            grace,
+            stats: self.app.connections.clone(),
+        }
+    }
 }
 
 /// The engine settings from the configuration.
@@ -234,9 +248,10 @@ pub fn engine_config(config: &Config) -> EngineConfig {
     }
 }
 
-/// The whole router: the API and the admin routes.
+/// The whole router: the API and the admin routes, with OpenAI-shaped
+/// 404 and 405 answers.
 pub fn router(app: Arc<App>, admin: AdminState) -> Router {
-    api::router(app).merge(admin::router(admin))
+    api::router(app).merge(admin::router(admin)).fallback(api::no_route).method_not_allowed_fallback(api::wrong_method)
 }
 
 /// Resolves when SIGTERM or Ctrl-C arrives.
@@ -260,32 +275,4 @@ pub async fn shutdown_signal() {
         _ = term => {},
     }
     tracing::info!("shutdown signal received; finishing in-flight requests");
-}
-
-/// Serves `router` on `listener` until SIGTERM or Ctrl-C. Then
-/// `on_signal` runs (the API starts draining), the listener closes, and
-/// in-flight requests get up to `grace` to finish.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    router: Router,
-    on_signal: impl FnOnce() + Send + 'static,
-    grace: Duration,
-) -> std::io::Result<()> {
-    let signalled = Arc::new(tokio::sync::Notify::new());
-    let notify = signalled.clone();
-    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
-        shutdown_signal().await;
-        on_signal();
-        notify.notify_one();
-    });
-    tokio::select! {
-        result = server => result,
-        _ = async {
-            signalled.notified().await;
-            tokio::time::sleep(grace).await;
-        } => {
-            tracing::warn!("the shutdown grace period of {grace:?} is over; exiting with requests still in flight");
-            Ok(())
-        }
-    }
 }

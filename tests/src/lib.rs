@@ -131,7 +131,10 @@ impl TestServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a loopback port");
         let base = format!("http://{}", listener.local_addr().expect("local address"));
         let router = levee.router();
-        tokio::spawn(async move { levee::server::serve(listener, router, || {}, std::time::Duration::ZERO).await });
+        let serving = levee.serving(std::time::Duration::ZERO);
+        tokio::spawn(
+            async move { levee::listener::serve(listener, router, serving, std::future::pending(), || {}).await },
+        );
         TestServer { base, levee }
     }
 

@@ -297,3 +297,175 @@ async fn a_client_that_goes_away_aborts_its_generation() {
     let generated = engine.stats().generated_tokens;
     assert!(generated < 1000, "{generated} tokens were generated for a client that left");
 }
+
+/// POSTs raw bytes as JSON.
+async fn post_raw(http: &Client, url: String, body: &'static str) -> (u16, Value) {
+    let response = http.post(url).header("content-type", "application/json").body(body).send().await.expect("post");
+    (response.status().as_u16(), response.json().await.expect("a JSON error body"))
+}
+
+#[tokio::test]
+async fn errors_have_openai_shapes_on_every_route_and_status() {
+    let _model = exclusive().await;
+    let server = TestServer::start(config("")).await;
+    let http = Client::new();
+
+    // Bytes after the JSON body are refused on every JSON route.
+    for (route, sent) in [
+        ("/v1/completions", r#"{"prompt":"hi","max_tokens":1}{"prompt":"evil"}"#),
+        ("/v1/chat/completions", r#"{"messages":[{"role":"user","content":"hi"}]} {"x":1}"#),
+        ("/tokenize", r#"{"prompt":"hi"}{"prompt":"evil"}"#),
+        ("/detokenize", r#"{"tokens":[1]}[2]"#),
+    ] {
+        let (status, body) = post_raw(&http, server.url(route), sent).await;
+        assert_eq!(status, 400, "{route}: {body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains("trailing"), "{route}: {body}");
+        assert_eq!(body["error"]["param"], Value::Null);
+    }
+    // Truncated JSON names no field (not "?").
+    let (status, body) = post_raw(&http, server.url("/v1/completions"), r#"{"prompt": "hi", "max_tok"#).await;
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["param"], Value::Null, "{body}");
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+
+    // 404 and 405 answer JSON.
+    for (method, path, status, code) in [
+        ("GET", "/v1/nothing-here", 404, "unknown_url"),
+        ("GET", "/v1/completions", 405, "method_not_allowed"),
+        ("DELETE", "/v1/models", 405, "method_not_allowed"),
+        ("POST", "/health", 405, "method_not_allowed"),
+    ] {
+        let response = http.request(method.parse().unwrap(), server.url(path)).send().await.unwrap();
+        assert_eq!(response.status().as_u16(), status, "{method} {path}");
+        assert_eq!(response.headers()["content-type"], "application/json", "{method} {path}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["error"]["code"], code, "{method} {path}: {body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains(path), "{body}");
+    }
+
+    // A body declared larger than the limit is refused from its header,
+    // without waiting for it.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = server.base.trim_start_matches("http://").to_string();
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = "POST /v1/completions HTTP/1.1\r\nHost: levee\r\ncontent-type: application/json\r\n\
+                    content-length: 1000000000\r\n\r\n{";
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let mut answer = vec![0u8; 512];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(2), stream.read(&mut answer))
+            .await
+            .expect("413 without waiting for the body")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer[..n]);
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        assert!(answer.contains("request_too_large"), "{answer}");
+    }
+
+    // GET /v1/models/{id}: the served model, or 404 model_not_found.
+    let listed: Value = http.get(server.url("/v1/models")).send().await.unwrap().json().await.unwrap();
+    let id = listed["data"][0]["id"].as_str().unwrap().to_string();
+    let one = http.get(server.url(&format!("/v1/models/{id}"))).send().await.unwrap();
+    assert_eq!(one.status(), 200);
+    let one: Value = one.json().await.unwrap();
+    assert_eq!(one, listed["data"][0]);
+    let missing = http.get(server.url("/v1/models/org/other-model")).send().await.unwrap();
+    assert_eq!(missing.status(), 404);
+    let missing: Value = missing.json().await.unwrap();
+    assert_eq!(missing["error"]["code"], "model_not_found");
+
+    // The advertised context fits: a prompt of max_model_len - 1 tokens with
+    // one token to generate runs; one more token is refused by name.
+    let context = listed["data"][0]["max_model_len"].as_u64().unwrap() as usize;
+    let fits: Vec<u32> = vec![504; context - 1];
+    let (status, _, body) =
+        post(&http, server.url("/v1/completions"), json!({ "prompt": fits, "max_tokens": 1, "temperature": 0 })).await;
+    assert_eq!(status, 200, "a prompt of {} tokens in a context of {context}: {body}", context - 1);
+    let (status, _, body) =
+        post(&http, server.url("/v1/completions"), json!({ "prompt": fits, "max_tokens": 2 })).await;
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["param"], "max_tokens", "{body}");
+    assert_eq!(body["error"]["code"], "context_length_exceeded");
+
+    // Over the context: chat names `messages`, completions `prompt`, with
+    // OpenAI's code, whether refused from the length alone (huge) or after
+    // tokenizing (just over); the token field named is the one sent.
+    let just_over = "hello ".repeat(context + 10);
+    let huge = "x".repeat(1_000_000);
+    for text in [&just_over, &huge] {
+        let chat = json!({ "messages": [{ "role": "user", "content": text }] });
+        let (status, _, body) = post(&http, server.url("/v1/chat/completions"), chat).await;
+        assert_eq!(status, 400);
+        assert_eq!(body["error"]["param"], "messages", "{body}");
+        assert_eq!(body["error"]["code"], "context_length_exceeded");
+        let (status, _, body) = post(&http, server.url("/v1/completions"), json!({ "prompt": text })).await;
+        assert_eq!(status, 400);
+        assert_eq!(body["error"]["param"], "prompt", "{body}");
+        assert_eq!(body["error"]["code"], "context_length_exceeded");
+    }
+    let chat = json!({ "messages": [{ "role": "user", "content": "hi" }], "max_completion_tokens": context * 2 });
+    let (status, _, body) = post(&http, server.url("/v1/chat/completions"), chat).await;
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["param"], "max_completion_tokens", "{body}");
+    assert_eq!(body["error"]["code"], "context_length_exceeded");
+}
+
+#[tokio::test]
+async fn an_error_in_a_stream_has_the_shape_of_the_same_error_unstreamed() {
+    let _model = exclusive().await;
+    let server = TestServer::start(config("[engine]\nmax-running = 1\nqueue-timeout-secs = 0.3\n")).await;
+    let http = Client::new();
+    // A long generation holds the only running slot; a request behind it
+    // times out in the queue, streamed or not.
+    let hold = json!({ "prompt": "Tell me everything.", "max_tokens": 200, "temperature": 0, "ignore_eos": true });
+    let long = post(&http, server.url("/v1/completions"), hold);
+    let behind = async {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let whole = post(&http, server.url("/v1/completions"), json!({ "prompt": "Hi", "max_tokens": 4 })).await;
+        let streamed = http
+            .post(server.url("/v1/completions"))
+            .json(&json!({ "prompt": "Hi", "max_tokens": 4, "stream": true }))
+            .send()
+            .await
+            .unwrap();
+        (whole, streamed.text().await.unwrap())
+    };
+    let (_, ((status, _, whole), streamed)) = tokio::join!(long, behind);
+    assert_eq!(status, 504, "{whole}");
+    let events = sse_data(&streamed);
+    let error: Value = events
+        .iter()
+        .find_map(|e| serde_json::from_str::<Value>(e).ok().filter(|v| v.get("error").is_some()))
+        .unwrap_or_else(|| panic!("no error event in {streamed}"));
+    for key in ["type", "param", "code"] {
+        assert_eq!(error["error"][key], whole["error"][key], "{key}: streamed {error}, whole {whole}");
+    }
+    assert_eq!(error["error"]["code"], "queue_timeout");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+}
+
+#[tokio::test]
+async fn ready_judges_a_stall_from_when_work_arrived() {
+    let _model = exclusive().await;
+    let server = TestServer::start(config("[server]\nready-stall-secs = 1\n")).await;
+    let http = Client::new();
+    assert_eq!(http.get(server.url("/ready")).send().await.unwrap().status(), 200);
+    // Idle for longer than the stall limit, with no /ready in between; then
+    // work arrives and /ready is asked at once.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    // A long prompt, so that the first step (a prefill chunk) takes a while.
+    let prompt: Vec<u32> = (0..1000).map(|i| 504 + (i % 50)).collect();
+    let body = json!({ "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": true });
+    let generation = post(&http, server.url("/v1/completions"), body);
+    let probes = async {
+        let mut statuses = Vec::new();
+        for _ in 0..5 {
+            statuses.push(http.get(server.url("/ready")).send().await.unwrap().status().as_u16());
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        statuses
+    };
+    let ((status, _, _), statuses) = tokio::join!(generation, probes);
+    assert_eq!(status, 200);
+    assert!(statuses.iter().all(|s| *s == 200), "/ready during fresh work: {statuses:?}");
+}

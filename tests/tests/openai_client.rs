@@ -1,6 +1,7 @@
 //! The official OpenAI Python client (`pip install openai`, done by
 //! `scripts/setup.sh`) works against Levee: chat, completions, streaming,
-//! and errors raised as the client's own exception types.
+//! `models.retrieve`, and errors raised as the client's own exception types
+//! (with OpenAI's `code` and `param` for a chat over the context).
 
 use levee_tests::{TestServer, config, exclusive};
 
@@ -18,5 +19,5 @@ async fn the_openai_python_client_works() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "openai client failed:\n{stdout}\n{stderr}");
-    assert!(stdout.contains("openai client: chat, completions, streaming and errors ok"), "{stdout}");
+    assert!(stdout.contains("openai client: chat, completions, streaming, models and errors ok"), "{stdout}");
 }

@@ -140,7 +140,15 @@ async fn admin_routes_list_and_reload_behind_the_token() {
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { levee::server::serve(listener, admin::router(admin), || {}, Duration::ZERO).await });
+    let serving = levee::listener::Serving {
+        header_read_timeout: Duration::from_secs(15),
+        write_timeout: Duration::from_secs(30),
+        max_connections: 64,
+        grace: Duration::ZERO,
+        stats: Arc::default(),
+    };
+    let router = admin::router(admin);
+    tokio::spawn(async move { levee::listener::serve(listener, router, serving, std::future::pending(), || {}).await });
     let http = reqwest::Client::new();
 
     let anonymous = http.get(format!("{base}/admin/plugins")).send().await.unwrap();

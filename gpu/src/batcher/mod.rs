@@ -256,6 +256,7 @@ impl Batcher {
             self.publish(started, scheduled.preemptions, scheduled.started, 0, 0);
             return false;
         }
+        self.shared.stats.step_started();
         // Only token ids need come back when every sequence sampling this step is plain greedy.
         let greedy = self.backend.has_device_greedy()
             && self

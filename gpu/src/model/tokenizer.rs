@@ -47,6 +47,10 @@ pub struct Tokenizer {
     eos: Option<u32>,
     add_bos: bool,
     split_digits: bool,
+    /// Most text bytes one token stands for.
+    widest: usize,
+    /// Bytes with a token of their own: never skipped by `encode`.
+    has_token: [bool; 256],
 }
 
 /// GPT-2's reversible map from bytes to printable characters.
@@ -79,7 +83,7 @@ impl Tokenizer {
                 *flag = true;
             }
         }
-        let bytes = spec
+        let bytes: Vec<Vec<u8>> = spec
             .tokens
             .iter()
             .enumerate()
@@ -109,6 +113,9 @@ impl Tokenizer {
             spec.special.iter().filter_map(|&id| spec.tokens.get(id as usize).map(|t| (t.clone(), id))).collect();
         special.retain(|(t, _)| !t.is_empty());
         special.sort_by_key(|s| std::cmp::Reverse(s.0.len()));
+        let mut buf = [0u8; 4];
+        let has_token = byte_char.map(|c| vocab.contains_key(c.encode_utf8(&mut buf) as &str));
+        let widest = bytes.iter().map(Vec::len).max().unwrap_or(1).max(1);
         Ok(Tokenizer {
             vocab,
             bytes,
@@ -120,6 +127,8 @@ impl Tokenizer {
             eos: spec.eos,
             add_bos: spec.add_bos,
             split_digits: spec.split_digits,
+            widest,
+            has_token,
         })
     }
 
@@ -146,6 +155,17 @@ impl Tokenizer {
     /// Whether `id` is a control token (never shown as text).
     pub fn is_special(&self, id: u32) -> bool {
         self.is_special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// A lower bound on `encode(text).len()`, found in one cheap pass
+    /// instead of encoding: every byte that has a token of its own ends up
+    /// in some token, and no token stands for more bytes than the
+    /// vocabulary's longest, so a text too long for the context can be
+    /// refused before the work of encoding it.
+    pub fn fewest_tokens(&self, text: &str) -> usize {
+        let bos = usize::from(self.add_bos && self.bos.is_some());
+        let kept = text.bytes().filter(|b| self.has_token[*b as usize]).count();
+        kept.div_ceil(self.widest) + bos
     }
 
     /// Encodes text. Special tokens written in the text (such as

@@ -19,6 +19,35 @@ pub enum ApiError {
         /// The offending field.
         param: Option<String>,
     },
+    /// The prompt, or the prompt plus the tokens asked for, does not fit the
+    /// context: `param` is the field to change (`prompt`, `messages`,
+    /// `max_tokens` or `max_completion_tokens`).
+    #[error("{message}")]
+    ContextLength {
+        /// What does not fit, with the figures.
+        message: String,
+        /// The field to change.
+        param: String,
+    },
+    /// No route at this path.
+    #[error("no route {method} {path}")]
+    NoRoute {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+    },
+    /// The route exists but not with this method.
+    #[error("{path} does not take {method} (the Allow header lists what it takes)")]
+    MethodNotAllowed {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+    },
+    /// The body did not arrive in time.
+    #[error("{0}")]
+    BodyTimeout(String),
     /// No or an unknown API key.
     #[error("{0}")]
     Unauthorized(String),
@@ -58,7 +87,10 @@ impl ApiError {
     /// The HTTP status.
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::Invalid { .. } => StatusCode::BAD_REQUEST,
+            ApiError::Invalid { .. } | ApiError::ContextLength { .. } => StatusCode::BAD_REQUEST,
+            ApiError::NoRoute { .. } => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
@@ -74,6 +106,10 @@ impl ApiError {
     fn kind_and_code(&self) -> (&'static str, Option<&'static str>) {
         match self {
             ApiError::Invalid { .. } => ("invalid_request_error", None),
+            ApiError::ContextLength { .. } => ("invalid_request_error", Some("context_length_exceeded")),
+            ApiError::NoRoute { .. } => ("invalid_request_error", Some("unknown_url")),
+            ApiError::MethodNotAllowed { .. } => ("invalid_request_error", Some("method_not_allowed")),
+            ApiError::BodyTimeout(_) => ("invalid_request_error", Some("request_timeout")),
             ApiError::Unauthorized(_) => ("authentication_error", Some("invalid_api_key")),
             ApiError::Forbidden(_) => ("permission_error", None),
             ApiError::ModelNotFound(_) => ("invalid_request_error", Some("model_not_found")),
@@ -110,16 +146,61 @@ impl From<EngineError> for ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let status = self.status();
+impl ApiError {
+    /// The OpenAI-shaped body, `{"error": {message, type, param, code}}`:
+    /// the same whether the error ends a whole response or a stream.
+    pub fn body(&self) -> serde_json::Value {
         let (kind, code) = self.kind_and_code();
-        let param = match &self {
-            ApiError::Invalid { param, .. } => param.clone(),
+        let param = match self {
+            ApiError::Invalid { param, .. } => param.as_deref(),
+            ApiError::ContextLength { param, .. } => Some(param.as_str()),
             _ => None,
         };
-        let body = json!({ "error": { "message": self.to_string(), "type": kind, "param": param, "code": code } });
-        let mut response = (status, Json(body)).into_response();
+        json!({ "error": { "message": clipped(self.to_string()), "type": kind, "param": param.map(clipped_str), "code": code } })
+    }
+
+    /// Whether the request's body may still be unread, so that the
+    /// connection must close after the response.
+    fn body_unread(&self) -> bool {
+        matches!(self, ApiError::BodyTooLarge(_) | ApiError::BodyTimeout(_))
+    }
+}
+
+/// Longest message or param an error carries: they quote what the client
+/// sent (a model name, a value), which must not come back megabytes long.
+const MAX_ERROR_TEXT: usize = 1024;
+
+fn clipped(mut text: String) -> String {
+    if text.len() > MAX_ERROR_TEXT {
+        let mut end = MAX_ERROR_TEXT;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push('…');
+    }
+    text
+}
+
+fn clipped_str(text: &str) -> String {
+    clipped(text.chars().take(MAX_ERROR_TEXT + 1).collect())
+}
+
+impl From<super::blocking::BlockingError> for ApiError {
+    fn from(error: super::blocking::BlockingError) -> Self {
+        match error {
+            super::blocking::BlockingError::Busy(_) => ApiError::Unavailable(error.to_string()),
+            super::blocking::BlockingError::Failed(_) => ApiError::Internal(error.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status(), Json(self.body())).into_response();
+        if self.body_unread() {
+            response.headers_mut().insert(axum::http::header::CONNECTION, HeaderValue::from_static("close"));
+        }
         if let Some(secs) = self.retry_after() {
             response.headers_mut().insert(RETRY_AFTER, HeaderValue::from(secs));
         }

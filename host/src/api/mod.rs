@@ -2,6 +2,7 @@
 //! `/v1/chat/completions`, `/v1/models`, `/tokenize`, `/detokenize`, and
 //! the operational routes `/health`, `/ready` and `/metrics`.
 
+pub mod blocking;
 pub mod error;
 pub mod respond;
 pub mod validate;
@@ -12,20 +13,19 @@ use crate::config::ServerConfig;
 use crate::pipeline::Pipeline;
 use crate::tenancy::Tenancy;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::header::CONTENT_TYPE;
+use axum::extract::{Path, Request, State};
+use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use blocking::BlockingPool;
 use error::ApiError;
+use futures::StreamExt;
 use serde_json::json;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// How long the engine may hold work without taking a step before `/ready` fails.
-const STALL_LIMIT: Duration = Duration::from_secs(30);
 
 /// Everything the API routes share.
 pub struct App {
@@ -41,7 +41,12 @@ pub struct App {
     pub draining: AtomicBool,
     /// The scale ticker's latest decision.
     pub scaling: Arc<crate::scaling::Scaler>,
-    stepping: Mutex<(u64, Instant)>,
+    /// Threads for work that grows with the input (parsing, templates, tokenizing).
+    pub blocking: Arc<BlockingPool>,
+    /// Connections and requests in flight, kept by the listener.
+    pub connections: Arc<crate::listener::ConnectionStats>,
+    /// Flips to `true` with `draining`, waking bodies still being read.
+    drain_signal: tokio::sync::watch::Sender<bool>,
 }
 
 impl App {
@@ -53,56 +58,109 @@ impl App {
         caps: Arc<Capabilities>,
         scaling: Arc<crate::scaling::Scaler>,
     ) -> Self {
+        let blocking = Arc::new(BlockingPool::new(limits.prepare_threads, limits.prepare_queue));
         Self {
             pipeline,
             tenancy,
             limits,
             caps,
             scaling,
+            blocking,
+            connections: Arc::default(),
             draining: AtomicBool::new(false),
-            stepping: Mutex::new((0, Instant::now())),
+            drain_signal: tokio::sync::watch::Sender::new(false),
         }
     }
 
-    /// Why the server is not ready, if it is not: draining, or an engine that
-    /// holds work but has not stepped for a while.
+    /// Starts draining (on SIGTERM): `/ready` fails, new requests get 503,
+    /// and requests whose body is still arriving end with 503 at once.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+        self.drain_signal.send_replace(true);
+    }
+
+    /// Why the server is not ready, if it is not: draining, or an engine
+    /// that holds work and has shown no progress (no step since the work
+    /// arrived, or since its last step) for `ready-stall-secs`.
     pub fn not_ready(&self) -> Option<String> {
         if self.draining.load(Ordering::Relaxed) {
             return Some("draining: the server is shutting down".into());
         }
         let stats = self.pipeline.engine.stats();
-        let mut stepping = self.stepping.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
-        let busy = stats.queue_depth + stats.running > 0;
-        if stats.steps != stepping.0 || !busy {
-            *stepping = (stats.steps, now);
-            return None;
+        let busy = stats.queue_depth + stats.running > 0 || stats.stepping;
+        let limit = Duration::from_secs_f64(self.limits.ready_stall_secs);
+        (busy && stats.since_progress > limit)
+            .then(|| format!("the engine has held work for {:?} without taking a step", stats.since_progress))
+    }
+
+    /// Reads a request body within the configured limits: a declared length
+    /// over the limit is refused before reading; a pause longer than
+    /// `body-read-timeout-secs`, or a body that after that long averages less
+    /// than `min-body-bytes-per-sec`, ends with 408; draining ends it with 503.
+    pub async fn read_body(&self, headers: &HeaderMap, body: axum::body::Body) -> Result<Bytes, ApiError> {
+        let limit = self.limits.max_body_bytes;
+        let declared = headers.get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(ApiError::BodyTooLarge(limit));
         }
-        let stalled = now.duration_since(stepping.1);
-        (stalled > STALL_LIMIT).then(|| format!("the engine has held work for {stalled:?} without taking a step"))
+        let pause = Duration::from_secs_f64(self.limits.body_read_timeout_secs);
+        let rate = self.limits.min_body_bytes_per_sec as f64;
+        let started = tokio::time::Instant::now();
+        let mut drain = self.drain_signal.subscribe();
+        let mut stream = body.into_data_stream();
+        // Grown as bytes arrive: a declared length reserves nothing up front.
+        let mut bytes = Vec::with_capacity(declared.unwrap_or(0).min(64 << 10) as usize);
+        loop {
+            // The next piece must come within `pause`, and before the average
+            // since the first `pause` falls under the minimum rate.
+            let behind = started + pause + Duration::from_secs_f64(bytes.len() as f64 / rate);
+            let wait = behind.min(tokio::time::Instant::now() + pause);
+            let next = tokio::select! {
+                next = tokio::time::timeout_at(wait, stream.next()) => next,
+                _ = drain.wait_for(|draining| *draining) => {
+                    return Err(ApiError::Unavailable("the server is shutting down".into()));
+                }
+            };
+            match next {
+                Err(_) => {
+                    return Err(ApiError::BodyTimeout(format!(
+                        "the request body did not arrive in time ({} bytes received in {:.1} s; a body may pause at \
+                         most {} s and must average {} bytes/s or more)",
+                        bytes.len(),
+                        started.elapsed().as_secs_f64(),
+                        pause.as_secs_f64(),
+                        self.limits.min_body_bytes_per_sec
+                    )));
+                }
+                Ok(None) => return Ok(Bytes::from(bytes)),
+                Ok(Some(Ok(chunk))) => {
+                    if bytes.len() + chunk.len() > limit {
+                        return Err(ApiError::BodyTooLarge(limit));
+                    }
+                    bytes.extend_from_slice(&chunk);
+                }
+                Ok(Some(Err(e))) => return Err(ApiError::invalid("body", format!("the body could not be read: {e}"))),
+            }
+        }
     }
 }
 
 type AppState = State<Arc<App>>;
 
-/// A request body as axum hands it over (too large, or not readable).
-type Body = Result<Bytes, axum::extract::rejection::BytesRejection>;
+/// A request body as it arrives.
+type Body = axum::body::Body;
 
-/// The body's bytes, or 413 / 400.
-fn body_bytes(body: Body, limit: usize) -> Result<Bytes, ApiError> {
-    body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::BodyTooLarge(limit)
-        } else {
-            ApiError::invalid("body", e.body_text())
-        }
-    })
-}
-
-/// Checks the caller's API key, reads the body and parses it as `T`.
-fn authorized<T: serde::de::DeserializeOwned>(app: &App, headers: &HeaderMap, body: Body) -> Result<T, ApiError> {
+/// Checks the caller's API key, reads the body and parses it as `T` on the
+/// blocking pool.
+async fn authorized<T: serde::de::DeserializeOwned + Send + 'static>(
+    app: &App,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(T, usize), ApiError> {
     app.tenancy.resolve(headers)?;
-    wire::parse(&body_bytes(body, app.limits.max_body_bytes)?)
+    let body = app.read_body(headers, body).await?;
+    let size = body.len();
+    Ok((app.blocking.run_sized(size, move || wire::parse(&body)).await??, size))
 }
 
 async fn answered(app: &App, route: &'static str, started: Instant, result: Result<Response, ApiError>) -> Response {
@@ -117,24 +175,31 @@ async fn generate(app: Arc<App>, headers: HeaderMap, body: Body, chat: bool) -> 
     }
     app.pipeline.telemetry.arrival();
     let tenant = app.tenancy.resolve(&headers)?;
-    let body = body_bytes(body, app.limits.max_body_bytes)?;
+    let body = app.read_body(&headers, body).await?;
     let policy_headers = validate::policy_headers(&headers);
-    let engine = &app.pipeline.engine;
-    let request = if chat {
-        let (fields, route) = wire::parse_generation(&body, wire::CHAT_FIELDS)?;
-        validate::chat(fields, route, engine, &app.pipeline.model, &app.limits, tenant, policy_headers)?
-    } else {
-        let (fields, route) = wire::parse_generation(&body, wire::COMPLETION_FIELDS)?;
-        validate::completion(fields, route, engine, &app.pipeline.model, &app.limits, tenant, policy_headers)?
-    };
+    let prepared = app.clone();
+    let request = app
+        .blocking
+        .run_sized(body.len(), move || {
+            let (app, engine) = (&prepared, &prepared.pipeline.engine);
+            if chat {
+                let (fields, route) = wire::parse_generation(&body, wire::CHAT_FIELDS)?;
+                validate::chat(fields, route, engine, &app.pipeline.model, &app.limits, tenant, policy_headers)
+            } else {
+                let (fields, route) = wire::parse_generation(&body, wire::COMPLETION_FIELDS)?;
+                validate::completion(fields, route, engine, &app.pipeline.model, &app.limits, tenant, policy_headers)
+            }
+        })
+        .await??;
     let stream = request.stream;
     let plan = app.pipeline.plan(request).await?;
-    let tokenizer = engine.tokenizer().clone();
+    let tokenizer = app.pipeline.engine.tokenizer().clone();
     let telemetry = app.pipeline.telemetry.clone();
+    let blocking = app.blocking.clone();
     if stream {
-        Ok(respond::streamed(plan, tokenizer, telemetry))
+        Ok(respond::streamed(plan, tokenizer, blocking, telemetry))
     } else {
-        respond::whole(plan, tokenizer, telemetry).await
+        respond::whole(plan, tokenizer, blocking, telemetry).await
     }
 }
 
@@ -150,55 +215,87 @@ async fn chat_completions(State(app): AppState, headers: HeaderMap, body: Body) 
     answered(&app, "/v1/chat/completions", started, result).await
 }
 
+/// One served model as `/v1/models` lists it.
+fn model_card(app: &App) -> serde_json::Value {
+    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    json!({
+        "id": app.pipeline.model, "object": "model", "created": created, "owned_by": "levee",
+        "max_model_len": app.pipeline.engine.max_context(),
+    })
+}
+
 async fn models(State(app): AppState, headers: HeaderMap) -> Response {
     let started = Instant::now();
-    let result = app.tenancy.resolve(&headers).map(|_| {
-        let created =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        Json(json!({ "object": "list", "data": [{
-            "id": app.pipeline.model, "object": "model", "created": created, "owned_by": "levee",
-            "max_model_len": app.pipeline.engine.max_context(),
-        }]}))
-        .into_response()
-    });
+    let result = app
+        .tenancy
+        .resolve(&headers)
+        .map(|_| Json(json!({ "object": "list", "data": [model_card(&app)] })).into_response());
     answered(&app, "/v1/models", started, result).await
+}
+
+/// `GET /v1/models/{id}`: the model if it is served here, else 404.
+async fn model(State(app): AppState, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    let started = Instant::now();
+    let result = app.tenancy.resolve(&headers).and_then(|_| {
+        validate::check_model(Some(&id), &app.pipeline.model)?;
+        Ok(Json(model_card(&app)).into_response())
+    });
+    answered(&app, "/v1/models/{id}", started, result).await
 }
 
 async fn tokenize(State(app): AppState, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
-    let result = (|| {
-        let body: wire::TokenizeBody = authorized(&app, &headers, body)?;
+    let result = async {
+        let (body, size): (wire::TokenizeBody, _) = authorized(&app, &headers, body).await?;
         validate::check_model(body.model.as_deref(), &app.pipeline.model)?;
-        let engine = &app.pipeline.engine;
-        let text = match (body.prompt, body.messages) {
-            (Some(prompt), None) => prompt,
-            (None, Some(messages)) => engine
-                .render_chat(&validate::messages(messages)?)
-                .map_err(|e| ApiError::invalid("messages", e.to_string()))?,
-            _ => return Err(ApiError::invalid("prompt", "give exactly one of prompt or messages")),
-        };
-        let tokens = engine.tokenizer().encode(&text);
-        Ok(Json(json!({ "tokens": tokens, "count": tokens.len(), "max_model_len": engine.max_context() }))
-            .into_response())
-    })();
+        let engine = app.pipeline.engine.clone();
+        app.blocking
+            .run_sized(size, move || {
+                let text = match (body.prompt, body.messages) {
+                    (Some(prompt), None) => prompt,
+                    (None, Some(messages)) => engine
+                        .render_chat(&validate::messages(messages)?)
+                        .map_err(|e| ApiError::invalid("messages", e.to_string()))?,
+                    _ => return Err(ApiError::invalid("prompt", "give exactly one of prompt or messages")),
+                };
+                let tokens = engine.tokenizer().encode(&text);
+                Ok(Json(json!({ "tokens": tokens, "count": tokens.len(), "max_model_len": engine.max_context() }))
+                    .into_response())
+            })
+            .await?
+    }
+    .await;
     answered(&app, "/tokenize", started, result).await
 }
 
 async fn detokenize(State(app): AppState, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
-    let result = (|| {
-        let body: wire::DetokenizeBody = authorized(&app, &headers, body)?;
+    let result = async {
+        let (body, size): (wire::DetokenizeBody, _) = authorized(&app, &headers, body).await?;
         validate::check_model(body.model.as_deref(), &app.pipeline.model)?;
-        let tokenizer = app.pipeline.engine.tokenizer();
-        let vocab = tokenizer.vocab_size() as u32;
-        if let Some(bad) = body.tokens.iter().find(|t| **t >= vocab) {
+        let engine = app.pipeline.engine.clone();
+        let context = engine.max_context();
+        if body.tokens.len() > context {
             return Err(ApiError::invalid(
                 "tokens",
-                format!("tokens holds token id {bad}, outside the vocabulary of {vocab} tokens"),
+                format!("tokens may hold at most {context} ids (this model's context), got {}", body.tokens.len()),
             ));
         }
-        Ok(Json(json!({ "prompt": tokenizer.decode(&body.tokens) })).into_response())
-    })();
+        app.blocking
+            .run_sized(size, move || {
+                let tokenizer = engine.tokenizer();
+                let vocab = tokenizer.vocab_size() as u32;
+                if let Some(bad) = body.tokens.iter().find(|t| **t >= vocab) {
+                    return Err(ApiError::invalid(
+                        "tokens",
+                        format!("tokens holds token id {bad}, outside the vocabulary of {vocab} tokens"),
+                    ));
+                }
+                Ok(Json(json!({ "prompt": tokenizer.decode(&body.tokens) })).into_response())
+            })
+            .await?
+    }
+    .await;
     answered(&app, "/detokenize", started, result).await
 }
 
@@ -219,6 +316,8 @@ async fn metrics(State(app): AppState) -> Response {
     app.pipeline.telemetry.render(&stats, &mut out);
     crate::server::render_plugin_metrics(&app.pipeline.policies, &app.caps, &mut out);
     app.scaling.render(&mut out);
+    app.connections.render(&mut out);
+    app.blocking.render(&mut out);
     if let Some(remote) = app.pipeline.flights.remote() {
         use std::fmt::Write as _;
         let followed = remote.followed.load(Ordering::Relaxed);
@@ -251,19 +350,30 @@ async fn scaling(State(app): AppState) -> Response {
     }
 }
 
+/// 404 for a path no route serves, in OpenAI's error shape.
+pub async fn no_route(request: Request) -> Response {
+    ApiError::NoRoute { method: request.method().to_string(), path: request.uri().path().to_string() }.into_response()
+}
+
+/// 405 for a route asked with a method it does not take (the router adds
+/// `Allow`).
+pub async fn wrong_method(request: Request) -> Response {
+    ApiError::MethodNotAllowed { method: request.method().to_string(), path: request.uri().path().to_string() }
+        .into_response()
+}
+
 /// The API router.
 pub fn router(app: Arc<App>) -> Router {
-    let limit = app.limits.max_body_bytes;
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
         .route("/v1/scaling", get(scaling))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
-        .layer(DefaultBodyLimit::max(limit))
         .with_state(app)
 }

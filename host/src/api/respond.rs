@@ -1,6 +1,7 @@
 //! Turning a planned request into an OpenAI response: a whole JSON body, or
 //! server-sent events ending with `data: [DONE]`.
 
+use super::blocking::BlockingPool;
 use super::error::ApiError;
 use crate::pipeline::{Finished, Live, Plan, PlannedChoice, Source, report_completed};
 use crate::plugins::bindings::{self as wit, Route};
@@ -31,20 +32,32 @@ enum Step {
 }
 
 /// A choice's events as a stream.
-fn steps(choice: PlannedChoice, tokenizer: Arc<Tokenizer>) -> impl futures::Stream<Item = Step> + Send {
+fn steps(
+    choice: PlannedChoice,
+    tokenizer: Arc<Tokenizer>,
+    blocking: Arc<BlockingPool>,
+) -> impl futures::Stream<Item = Step> + Send {
     enum State {
-        Cached(Option<wit::Choice>, Arc<Tokenizer>),
+        Cached(Option<wit::Choice>, Arc<Tokenizer>, Arc<BlockingPool>),
         Live(Live),
         Over,
     }
     let state = match choice.source {
-        Source::Cached(c) => State::Cached(Some(c), tokenizer),
+        Source::Cached(c) => State::Cached(Some(c), tokenizer, blocking),
         Source::Live(live) => State::Live(live),
     };
     futures::stream::unfold(state, |state| async move {
         match state {
-            State::Cached(Some(c), tokenizer) => {
-                let tokens = tokenizer.encode(&c.text).len();
+            State::Cached(Some(c), tokenizer, blocking) => {
+                // Counting a stored answer's tokens grows with its length: off the async workers.
+                let counted = blocking.run_sized(c.text.len(), move || {
+                    let tokens = tokenizer.encode(&c.text).len();
+                    (c, tokens)
+                });
+                let (c, tokens) = match counted.await {
+                    Ok(counted) => counted,
+                    Err(e) => return Some((futures::stream::iter(vec![Step::Failed(e.into())]), State::Over)),
+                };
                 let done = Step::Done {
                     finish_reason: c.finish_reason,
                     completion_tokens: tokens,
@@ -55,7 +68,7 @@ fn steps(choice: PlannedChoice, tokenizer: Arc<Tokenizer>) -> impl futures::Stre
                 let text = Step::Cached(c.text);
                 Some((futures::stream::iter(vec![text, done]), State::Over))
             }
-            State::Cached(None, _) | State::Over => None,
+            State::Cached(None, ..) | State::Over => None,
             State::Live(mut live) => {
                 let step = match live.next().await {
                     Some(Ok(TokenEvent::Token(t))) => {
@@ -187,16 +200,20 @@ fn chat_logprobs(tokens: &[GeneratedToken], tokenizer: &Tokenizer) -> Value {
 }
 
 /// The whole response as one JSON body.
-pub async fn whole(mut plan: Plan, tokenizer: Arc<Tokenizer>, telemetry: Arc<Telemetry>) -> Result<Response, ApiError> {
+pub async fn whole(
+    mut plan: Plan,
+    tokenizer: Arc<Tokenizer>,
+    blocking: Arc<BlockingPool>,
+    telemetry: Arc<Telemetry>,
+) -> Result<Response, ApiError> {
     let choices = std::mem::take(&mut plan.choices);
     let collectors = choices.into_iter().map(|choice| {
         let prompt = choice.prompt;
         let prompt_tokens = plan.request.prompts[prompt].tokens.len();
-        let tokenizer = tokenizer.clone();
-        let telemetry = telemetry.clone();
+        let (tokenizer, blocking, telemetry) = (tokenizer.clone(), blocking.clone(), telemetry.clone());
         async move {
             let mut out = Collected { prompt, ..Collected::default() };
-            let mut steps = std::pin::pin!(steps(choice, tokenizer));
+            let mut steps = std::pin::pin!(steps(choice, tokenizer, blocking));
             while let Some(step) = steps.next().await {
                 match step {
                     Step::Token(t) => {
@@ -304,7 +321,12 @@ fn delta(plan: &Plan, index: usize, text: &str, logprobs: Value, finish_reason: 
 
 /// The response as server-sent events. The generation runs in a task that
 /// stops when the client goes away, which aborts it in the engine.
-pub fn streamed(mut plan: Plan, tokenizer: Arc<Tokenizer>, telemetry: Arc<Telemetry>) -> Response {
+pub fn streamed(
+    mut plan: Plan,
+    tokenizer: Arc<Tokenizer>,
+    blocking: Arc<BlockingPool>,
+    telemetry: Arc<Telemetry>,
+) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(64);
     let headers = headers(&plan);
     tokio::spawn(async move {
@@ -320,8 +342,10 @@ pub fn streamed(mut plan: Plan, tokenizer: Arc<Tokenizer>, telemetry: Arc<Teleme
                 }
             }
         }
-        let streams =
-            choices.into_iter().enumerate().map(|(i, c)| steps(c, tokenizer.clone()).map(move |s| (i, s)).boxed());
+        let streams = choices
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| steps(c, tokenizer.clone(), blocking.clone()).map(move |s| (i, s)).boxed());
         let mut merged = futures::stream::select_all(streams);
         while let Some((i, step)) = merged.next().await {
             let prompt_tokens = plan.request.prompts[prompts[i]].tokens.len();
@@ -350,8 +374,7 @@ pub fn streamed(mut plan: Plan, tokenizer: Arc<Tokenizer>, telemetry: Arc<Teleme
                     event
                 }
                 Step::Failed(e) => {
-                    let body = json!({ "error": { "message": e.to_string(), "type": "server_error", "code": e.status().as_u16() } });
-                    let _ = tx.send(Event::default().data(body.to_string())).await;
+                    let _ = tx.send(Event::default().data(e.body().to_string())).await;
                     let _ = tx.send(Event::default().data("[DONE]")).await;
                     return;
                 }

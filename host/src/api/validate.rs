@@ -89,6 +89,8 @@ pub fn check_model(requested: Option<&str>, served: &str) -> Result<(), ApiError
 
 struct Common {
     max_tokens: Option<u32>,
+    /// The field `max_tokens` came from, to name in errors.
+    max_tokens_param: &'static str,
     n: u32,
     sampling: SamplingParams,
     priority: i32,
@@ -102,6 +104,7 @@ fn common(fields: &CommonFields, limits: &ServerConfig) -> Result<Common, ApiErr
         (None, Some(v)) => Some(("max_tokens", v)),
         (None, None) => None,
     };
+    let max_tokens_param = max_tokens.map_or("max_tokens", |(param, _)| param);
     let max_tokens = match max_tokens {
         Some((param, v)) if !(1..=i64::from(u32::MAX)).contains(&v) => {
             return Err(ApiError::invalid(param, format!("{param} must be between 1 and {}, got {v}", u32::MAX)));
@@ -190,7 +193,7 @@ fn common(fields: &CommonFields, limits: &ServerConfig) -> Result<Common, ApiErr
     if include_usage && !stream {
         return Err(ApiError::invalid("stream_options", "stream_options is only allowed when stream is true"));
     }
-    Ok(Common { max_tokens, n: n as u32, sampling, priority, stream, include_usage })
+    Ok(Common { max_tokens, max_tokens_param, n: n as u32, sampling, priority, stream, include_usage })
 }
 
 impl Common {
@@ -233,26 +236,64 @@ fn logprobs_count(param: &str, value: Option<i64>) -> Result<Option<usize>, ApiE
     }
 }
 
-/// Checks the prompt's length against the context and picks `max_tokens`.
-fn fit(engine: &EngineHandle, prompts: &[Prompt], requested: Option<u32>, default: u32) -> Result<u32, ApiError> {
+/// "the messages come" or "the prompt comes".
+fn comes(prompt_param: &str) -> &'static str {
+    if prompt_param == "messages" { "the messages come" } else { "the prompt comes" }
+}
+
+/// The prompt of `tokens` tokens (at least) leaves no room in the context.
+fn too_long(prompt_param: &str, tokens: usize, at_least: bool, context: usize) -> ApiError {
+    let count = if at_least { format!("at least {tokens}") } else { tokens.to_string() };
+    ApiError::ContextLength {
+        message: format!(
+            "this model's maximum context length is {context} tokens, and {} to {count} tokens; shorten the {prompt_param}",
+            comes(prompt_param)
+        ),
+        param: prompt_param.to_string(),
+    }
+}
+
+/// Refuses, before tokenizing it, a text that cannot fit the context
+/// whatever its tokens turn out to be.
+fn check_length(engine: &EngineHandle, prompt_param: &str, text: &str) -> Result<(), ApiError> {
+    let fewest = engine.tokenizer().fewest_tokens(text);
+    if fewest >= engine.max_context() {
+        return Err(too_long(prompt_param, fewest, true, engine.max_context()));
+    }
+    Ok(())
+}
+
+/// Checks the prompt's length against the context and picks `max_tokens`;
+/// `prompt_param` is `prompt` or `messages`.
+fn fit(
+    engine: &EngineHandle,
+    prompt_param: &str,
+    prompts: &[Prompt],
+    c: &Common,
+    default: u32,
+) -> Result<u32, ApiError> {
     let context = engine.max_context();
     if let Some(i) = prompts.iter().position(|p| p.tokens.is_empty()) {
         let which = if prompts.len() > 1 { format!("prompt {i} of {}", prompts.len()) } else { "the prompt".into() };
-        return Err(ApiError::invalid("prompt", format!("{which} is empty")));
+        return Err(ApiError::invalid(prompt_param, format!("{which} is empty")));
     }
     let longest = prompts.iter().map(|p| p.tokens.len()).max().unwrap_or(0);
     if longest >= context {
-        return Err(ApiError::invalid(
-            "prompt",
-            format!("the prompt has {longest} tokens; this model's context is {context} tokens"),
-        ));
+        return Err(too_long(prompt_param, longest, false, context));
     }
     let room = (context - longest) as u32;
-    match requested {
-        Some(m) if m > room => Err(ApiError::invalid(
-            "max_tokens",
-            format!("max_tokens must be ≤ {room} for this prompt ({longest} tokens, context {context}), got {m}"),
-        )),
+    match c.max_tokens {
+        Some(m) if m > room => {
+            let param = c.max_tokens_param;
+            Err(ApiError::ContextLength {
+                message: format!(
+                    "this model's maximum context length is {context} tokens; {} to {longest} tokens, so {param} \
+                     must be ≤ {room}, got {m}",
+                    comes(prompt_param)
+                ),
+                param: param.to_string(),
+            })
+        }
         Some(m) => Ok(m),
         None => Ok(default.min(room)),
     }
@@ -335,6 +376,21 @@ pub fn completion(
             format!("prompt must hold between 1 and {} prompts, got {count}", limits.max_prompts),
         ));
     }
+    // What cannot fit is refused before the work of tokenizing or decoding it.
+    let context = engine.max_context();
+    match &body.prompt {
+        PromptInput::Text(text) => check_length(engine, "prompt", text)?,
+        PromptInput::Texts(texts) => texts.iter().try_for_each(|text| check_length(engine, "prompt", text))?,
+        PromptInput::Tokens(tokens) if tokens.len() >= context => {
+            return Err(too_long("prompt", tokens.len(), false, context));
+        }
+        PromptInput::TokenLists(lists) => {
+            if let Some(long) = lists.iter().find(|l| l.len() >= context) {
+                return Err(too_long("prompt", long.len(), false, context));
+            }
+        }
+        PromptInput::Tokens(_) => {}
+    }
     let prompts: Vec<Prompt> = match body.prompt {
         PromptInput::Text(text) => vec![Prompt { tokens: tokenizer.encode(&text), text }],
         PromptInput::Texts(texts) => {
@@ -351,7 +407,7 @@ pub fn completion(
             format!("prompt holds token id {bad}, outside the vocabulary of {vocab} tokens"),
         ));
     }
-    let max_tokens = fit(engine, &prompts, c.max_tokens, limits.default_completion_max_tokens)?;
+    let max_tokens = fit(engine, "prompt", &prompts, &c, limits.default_completion_max_tokens)?;
     check_capacity(engine, &prompts, c.n)?;
     check_stop_tokens(engine, &c.sampling)?;
     Ok(c.into_request(Route::Completions, served, prompts, max_tokens, tenant, headers))
@@ -416,8 +472,9 @@ pub fn chat(
     };
     let messages = messages(body.messages)?;
     let text = engine.render_chat(&messages).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    check_length(engine, "messages", &text)?;
     let prompts = vec![Prompt { tokens: engine.tokenizer().encode(&text), text }];
-    let max_tokens = fit(engine, &prompts, c.max_tokens, limits.default_chat_max_tokens)?;
+    let max_tokens = fit(engine, "messages", &prompts, &c, limits.default_chat_max_tokens)?;
     check_capacity(engine, &prompts, c.n)?;
     check_stop_tokens(engine, &c.sampling)?;
     Ok(c.into_request(Route::Chat, served, prompts, max_tokens, tenant, headers))

@@ -135,6 +135,7 @@ pub struct ChatBody {
 
 /// `POST /tokenize`.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TokenizeBody {
     /// Model name (optional).
     #[serde(default)]
@@ -149,6 +150,7 @@ pub struct TokenizeBody {
 
 /// `POST /detokenize`.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DetokenizeBody {
     /// Model name (optional).
     #[serde(default)]
@@ -252,15 +254,27 @@ fn field_error(path: String, inner: impl std::fmt::Display) -> super::error::Api
     } else {
         format!("`{path}` is invalid: {inner}")
     };
-    super::error::ApiError::Invalid { message, param: (path != ".").then_some(path) }
+    super::error::ApiError::Invalid { message, param: (path != "." && !path.contains('?')).then_some(path) }
 }
 
 fn from_value<T: serde::de::DeserializeOwned>(value: &serde_json::Value) -> Result<T, super::error::ApiError> {
     serde_path_to_error::deserialize(value).map_err(|e| field_error(e.path().to_string(), e.into_inner()))
 }
 
-/// Parses a JSON body, naming the field of the first error.
+/// Parses a JSON body, naming the field of the first error. Bytes after
+/// the JSON value (other than white space) are refused, not ignored.
 pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, super::error::ApiError> {
     let mut deserializer = serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(&mut deserializer).map_err(|e| field_error(e.path().to_string(), e.into_inner()))
+    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if inner.is_syntax() || inner.is_eof() { not_json(inner) } else { field_error(path, inner) }
+    })?;
+    deserializer.end().map_err(not_json)?;
+    Ok(value)
+}
+
+/// A body that is not one JSON value: no field to name.
+fn not_json(inner: serde_json::Error) -> super::error::ApiError {
+    super::error::ApiError::Invalid { message: format!("the body is not valid JSON: {inner}"), param: None }
 }
