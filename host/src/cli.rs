@@ -106,8 +106,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let app = levee.app.clone();
     let serving = levee.serving(Duration::from_secs_f64(config.server.shutdown_grace_secs));
     let drain_app = app.clone();
-    crate::listener::serve(listener, levee.router(), serving, server::shutdown_signal(), move || drain_app.drain())
-        .await?;
+    let cut_app = app.clone();
+    crate::listener::serve(
+        listener,
+        levee.router(),
+        serving,
+        server::shutdown_signal(),
+        move || drain_app.drain(),
+        move || cut_app.cut(),
+    )
+    .await?;
     app.scaling.leave().await;
     tracing::info!("stopped");
     Ok(())

@@ -163,21 +163,35 @@ async fn track(State(stats): State<Arc<ConnectionStats>>, request: Request, next
     next.run(request).await.map(|body| axum::body::Body::new(Tracked { body, _request: counted }))
 }
 
+/// After the grace period, how long the responses cut short get to send
+/// their last event.
+const CUT_FLUSH: Duration = Duration::from_secs(1);
+
 /// Most connections being refused at once; past it they are just closed.
 const MAX_REFUSING: usize = 256;
 
-/// Answers a connection over the bound with 503 and closes it, reading
-/// (and discarding) what the client sent for up to a second first, so that
-/// the close is not a reset that hides the answer.
+/// Answers a connection over the bound and closes it: 503 with
+/// `Retry-After`, except a liveness probe (`GET /health`), which is told the
+/// process is alive so that a flood of connections does not get it
+/// restarted. What the client sent is read (and discarded) for up to a
+/// second, so that the close is not a reset that hides the answer.
 async fn refuse(mut stream: TcpStream) {
-    let body = ApiError::Unavailable("the server has too many open connections; retry shortly".into()).body();
-    let body = body.to_string();
-    let response = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
-         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let mut head = [0u8; 512];
+        let read = tokio::time::timeout(Duration::from_millis(100), stream.read(&mut head)).await;
+        let probe = matches!(read, Ok(Ok(n)) if head[..n].starts_with(b"GET /health "));
+        let (status, body) = if probe {
+            ("200 OK", "ok".to_string())
+        } else {
+            let error = ApiError::Unavailable("the server has too many open connections; retry shortly".into());
+            ("503 Service Unavailable", error.body().to_string())
+        };
+        let kind = if probe { "text/plain; charset=utf-8" } else { "application/json" };
+        let response = format!(
+            "HTTP/1.1 {status}\r\ncontent-type: {kind}\r\nretry-after: 1\r\nconnection: close\r\n\
+             content-length: {}\r\n\r\n{body}",
+            body.len()
+        );
         stream.write_all(response.as_bytes()).await?;
         stream.shutdown().await?;
         let mut sink = [0u8; 4096];
@@ -265,14 +279,16 @@ impl Drop for Open {
 /// Serves `router` on `listener` until `signal` resolves. Then `on_signal`
 /// runs (the API starts draining), the listener closes, idle and half-sent
 /// connections close, the others close after their response, and the call
-/// returns as soon as every connection is closed, or when `serving.grace`
-/// is over.
+/// returns as soon as every connection is closed. When `serving.grace` is
+/// over first, `on_grace_over` runs (the API ends what still runs with an
+/// error) and the call returns a second later at most.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     serving: Serving,
     signal: impl std::future::Future<Output = ()>,
     on_signal: impl FnOnce(),
+    on_grace_over: impl FnOnce(),
 ) -> std::io::Result<()> {
     let stats = serving.stats.clone();
     let router = router.layer(axum::middleware::from_fn_with_state(stats.clone(), track));
@@ -357,11 +373,15 @@ pub async fn serve(
     shutdown.send_replace(true);
     if tokio::time::timeout(serving.grace, stats.until(|s| s.open() == 0)).await.is_err() {
         tracing::warn!(
-            "the shutdown grace period of {:?} is over; exiting with {} requests in flight on {} connections",
+            "the shutdown grace period of {:?} is over; ending {} requests in flight on {} connections",
             serving.grace,
             stats.in_flight(),
             stats.open()
         );
+        // Responses still running end with an error (streams with a last
+        // event) rather than being cut mid-way; a second lets those out.
+        on_grace_over();
+        let _ = tokio::time::timeout(CUT_FLUSH, stats.until(|s| s.open() == 0)).await;
     }
     Ok(())
 }

@@ -132,9 +132,9 @@ impl TestServer {
         let base = format!("http://{}", listener.local_addr().expect("local address"));
         let router = levee.router();
         let serving = levee.serving(std::time::Duration::ZERO);
-        tokio::spawn(
-            async move { levee::listener::serve(listener, router, serving, std::future::pending(), || {}).await },
-        );
+        tokio::spawn(async move {
+            levee::listener::serve(listener, router, serving, std::future::pending(), || {}, || {}).await
+        });
         TestServer { base, levee }
     }
 

@@ -322,6 +322,39 @@ async fn errors_have_openai_shapes_on_every_route_and_status() {
         assert!(body["error"]["message"].as_str().unwrap().contains("trailing"), "{route}: {body}");
         assert_eq!(body["error"]["param"], Value::Null);
     }
+    // Unknown fields are refused inside objects too, by their path; the two
+    // spellings of max_tokens must agree, and the completions route has only one.
+    for (route, sent, param) in [
+        ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "Hi", "foo": 1 }] }), "messages[0]"),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": [{ "type": "text", "text": "hi", "zzz": 1 }] }] }),
+            "messages[0].content",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": "Hi", "stream": true, "stream_options": { "include_usage": true, "x": 1 } }),
+            "stream_options",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": "Hi" }], "max_tokens": -5, "max_completion_tokens": 5 }),
+            "max_tokens",
+        ),
+        ("/v1/completions", json!({ "prompt": "Hi", "max_completion_tokens": 5 }), "max_completion_tokens"),
+        ("/v1/completions", json!({ "prompt": "Hi", "stop": 5 }), "stop"),
+    ] {
+        let (status, _, body) = post(&http, server.url(route), sent.clone()).await;
+        assert_eq!(status, 400, "{sent}: {body}");
+        let named = body["error"]["param"].as_str().unwrap_or_default();
+        assert!(named.starts_with(param), "{sent}: {body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(!message.contains("enum") && !message.contains("struct"), "a Rust type in {message:?}");
+    }
+    let bad_id = http.get(server.url("/v1/models/%ff%00")).send().await.unwrap();
+    assert_eq!(bad_id.status(), 400);
+    assert_eq!(bad_id.headers()["content-type"], "application/json");
+
     // Truncated JSON names no field (not "?").
     let (status, body) = post_raw(&http, server.url("/v1/completions"), r#"{"prompt": "hi", "max_tok"#).await;
     assert_eq!(status, 400);

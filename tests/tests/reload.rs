@@ -148,7 +148,9 @@ async fn admin_routes_list_and_reload_behind_the_token() {
         stats: Arc::default(),
     };
     let router = admin::router(admin);
-    tokio::spawn(async move { levee::listener::serve(listener, router, serving, std::future::pending(), || {}).await });
+    tokio::spawn(async move {
+        levee::listener::serve(listener, router, serving, std::future::pending(), || {}, || {}).await
+    });
     let http = reqwest::Client::new();
 
     let anonymous = http.get(format!("{base}/admin/plugins")).send().await.unwrap();

@@ -9,7 +9,9 @@
 //!   within a second of the last in-flight response;
 //! - a body that pauses or trickles (408), a chunked body over the limit
 //!   (413), a client that never reads its answer (disconnected), a
-//!   connection past `max-connections` (503).
+//!   connection past `max-connections` (503; a liveness probe still 200);
+//! - a stream still running when the shutdown grace is over ends with an
+//!   error event and `[DONE]`, not mid-way.
 
 use levee_tests::{Replica, exclusive};
 use reqwest::Client;
@@ -414,12 +416,55 @@ async fn slow_bodies_non_reading_clients_and_excess_connections_are_answered_and
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut extra = TcpStream::connect(("127.0.0.1", port)).await.expect("connect");
-    extra.write_all(b"GET /health HTTP/1.1\r\nHost: levee\r\n\r\n").await.expect("write");
+    extra.write_all(b"GET /v1/models HTTP/1.1\r\nHost: levee\r\n\r\n").await.expect("write");
     let reply = answer(&mut extra, Duration::from_secs(3)).await;
     assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
     assert!(reply.to_ascii_lowercase().contains("retry-after: 1"), "{reply}");
     assert!(reply.contains("too many open connections"), "{reply}");
+    // A liveness probe past the bound is still told the process is alive.
+    let mut liveness = TcpStream::connect(("127.0.0.1", port)).await.expect("connect");
+    liveness.write_all(b"GET /health HTTP/1.1\r\nHost: levee\r\n\r\n").await.expect("write");
+    let reply = answer(&mut liveness, Duration::from_secs(3)).await;
+    assert!(reply.starts_with("HTTP/1.1 200") && reply.ends_with("ok"), "{reply}");
     drop(held);
     tokio::time::sleep(Duration::from_millis(200)).await;
     probe(&http, &replica).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_still_running_when_the_grace_is_over_ends_with_an_error_event() {
+    let _model = exclusive().await;
+    let mut replica = Replica::start_with(BIN, "", &["--shutdown-grace-secs", "1"]).await;
+    let http = fresh_client();
+    let body = json!({ "prompt": "Tell me a story.", "max_tokens": 1000, "temperature": 0, "ignore_eos": true, "stream": true });
+    let mut response = http.post(replica.url("/v1/completions")).json(&body).send().await.expect("stream");
+    assert_eq!(response.status(), 200);
+    let mut text = String::new();
+    if let Some(chunk) = response.chunk().await.expect("first chunk") {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let pid = replica.pid().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    let signalled = Instant::now();
+    while let Ok(Some(chunk)) = response.chunk().await {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let ended = signalled.elapsed();
+    let status = loop {
+        if let Some(status) = replica.child().try_wait().expect("wait") {
+            break status;
+        }
+        assert!(signalled.elapsed() < Duration::from_secs(10), "levee did not exit");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let events: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    println!("cut after {ended:?}, {} events, exit {status} after {:?}", events.len(), signalled.elapsed());
+    assert!(status.success(), "levee exited with {status}");
+    assert_eq!(events.last().copied(), Some("[DONE]"), "{text}");
+    let error: Value = serde_json::from_str(events[events.len() - 2]).expect("an error event before [DONE]");
+    assert_eq!(error["error"]["type"], "service_unavailable", "{error}");
+    assert!(
+        ended >= Duration::from_secs(1) && ended < Duration::from_secs(3),
+        "the stream ended {ended:?} after SIGTERM"
+    );
 }

@@ -47,6 +47,10 @@ pub struct App {
     pub connections: Arc<crate::listener::ConnectionStats>,
     /// Flips to `true` with `draining`, waking bodies still being read.
     drain_signal: tokio::sync::watch::Sender<bool>,
+    /// Flips to `true` when the shutdown grace is over: responses still
+    /// running end with an error (a last event, for streams) instead of
+    /// being cut mid-way.
+    cut_signal: tokio::sync::watch::Sender<bool>,
 }
 
 impl App {
@@ -69,7 +73,14 @@ impl App {
             connections: Arc::default(),
             draining: AtomicBool::new(false),
             drain_signal: tokio::sync::watch::Sender::new(false),
+            cut_signal: tokio::sync::watch::Sender::new(false),
         }
+    }
+
+    /// Ends the responses still running (the shutdown grace is over): each
+    /// gets a 503 error, as its last event when streamed.
+    pub fn cut(&self) {
+        self.cut_signal.send_replace(true);
     }
 
     /// Starts draining (on SIGTERM): `/ready` fails, new requests get 503,
@@ -196,10 +207,14 @@ async fn generate(app: Arc<App>, headers: HeaderMap, body: Body, chat: bool) -> 
     let tokenizer = app.pipeline.engine.tokenizer().clone();
     let telemetry = app.pipeline.telemetry.clone();
     let blocking = app.blocking.clone();
+    let mut cut = app.cut_signal.subscribe();
     if stream {
-        Ok(respond::streamed(plan, tokenizer, blocking, telemetry))
+        Ok(respond::streamed(plan, tokenizer, blocking, telemetry, cut))
     } else {
-        respond::whole(plan, tokenizer, blocking, telemetry).await
+        tokio::select! {
+            response = respond::whole(plan, tokenizer, blocking, telemetry) => response,
+            _ = respond::cut_short(&mut cut) => Err(respond::shutdown_cut()),
+        }
     }
 }
 
@@ -234,9 +249,15 @@ async fn models(State(app): AppState, headers: HeaderMap) -> Response {
 }
 
 /// `GET /v1/models/{id}`: the model if it is served here, else 404.
-async fn model(State(app): AppState, headers: HeaderMap, Path(id): Path<String>) -> Response {
+async fn model(
+    State(app): AppState,
+    headers: HeaderMap,
+    id: Result<Path<String>, axum::extract::rejection::PathRejection>,
+) -> Response {
     let started = Instant::now();
     let result = app.tenancy.resolve(&headers).and_then(|_| {
+        let Path(id) =
+            id.map_err(|e| ApiError::invalid("model", format!("the model id is invalid: {}", e.body_text())))?;
         validate::check_model(Some(&id), &app.pipeline.model)?;
         Ok(Json(model_card(&app)).into_response())
     });

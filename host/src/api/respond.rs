@@ -319,13 +319,27 @@ fn delta(plan: &Plan, index: usize, text: &str, logprobs: Value, finish_reason: 
     chunk(plan, json!([choice]), None)
 }
 
+/// Resolves when the server cuts responses short (its shutdown grace is over).
+pub async fn cut_short(cut: &mut tokio::sync::watch::Receiver<bool>) {
+    if cut.wait_for(|cut| *cut).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// The error a response cut short by the shutdown ends with.
+pub fn shutdown_cut() -> ApiError {
+    ApiError::Unavailable("the server is shutting down and its grace period is over; retry elsewhere".into())
+}
+
 /// The response as server-sent events. The generation runs in a task that
-/// stops when the client goes away, which aborts it in the engine.
+/// stops when the client goes away, which aborts it in the engine, and ends
+/// with an error event when `cut` flips (the shutdown grace is over).
 pub fn streamed(
     mut plan: Plan,
     tokenizer: Arc<Tokenizer>,
     blocking: Arc<BlockingPool>,
     telemetry: Arc<Telemetry>,
+    mut cut: tokio::sync::watch::Receiver<bool>,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(64);
     let headers = headers(&plan);
@@ -347,7 +361,12 @@ pub fn streamed(
             .enumerate()
             .map(|(i, c)| steps(c, tokenizer.clone(), blocking.clone()).map(move |s| (i, s)).boxed());
         let mut merged = futures::stream::select_all(streams);
-        while let Some((i, step)) = merged.next().await {
+        loop {
+            let next = tokio::select! {
+                next = merged.next() => next,
+                _ = cut_short(&mut cut) => Some((0, Step::Failed(shutdown_cut()))),
+            };
+            let Some((i, step)) = next else { break };
             let prompt_tokens = plan.request.prompts[prompts[i]].tokens.len();
             let event = match step {
                 Step::Token(t) => {

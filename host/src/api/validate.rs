@@ -100,6 +100,12 @@ struct Common {
 
 fn common(fields: &CommonFields, limits: &ServerConfig) -> Result<Common, ApiError> {
     let max_tokens = match (fields.max_completion_tokens, fields.max_tokens) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(ApiError::invalid(
+                "max_tokens",
+                format!("max_tokens ({b}) and max_completion_tokens ({a}) disagree; send one of them"),
+            ));
+        }
         (Some(v), _) => Some(("max_completion_tokens", v)),
         (None, Some(v)) => Some(("max_tokens", v)),
         (None, None) => None,

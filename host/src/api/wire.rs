@@ -32,6 +32,7 @@ pub enum StopInput {
 
 /// `stream_options`.
 #[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     /// Send a last chunk with `usage`.
     #[serde(default)]
@@ -47,7 +48,8 @@ pub struct CommonFields {
     pub model: Option<String>,
     /// Most tokens to generate.
     pub max_tokens: Option<i64>,
-    /// Newer spelling of `max_tokens` (chat).
+    /// Newer spelling of `max_tokens` (chat only: the completions route
+    /// refuses it as an unknown field).
     pub max_completion_tokens: Option<i64>,
     /// Sampling temperature, 0 to 2.
     pub temperature: Option<f32>,
@@ -103,6 +105,7 @@ pub enum MessageContent {
 
 /// One content part.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ContentPart {
     /// `text` (others are refused).
     #[serde(rename = "type")]
@@ -114,6 +117,7 @@ pub struct ContentPart {
 
 /// One chat message.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct WireMessage {
     /// `system`, `user`, `assistant` (or `developer`, `tool`).
     pub role: String,
@@ -163,7 +167,6 @@ pub struct DetokenizeBody {
 const COMMON_FIELDS: &[&str] = &[
     "model",
     "max_tokens",
-    "max_completion_tokens",
     "temperature",
     "top_p",
     "top_k",
@@ -185,7 +188,7 @@ const COMMON_FIELDS: &[&str] = &[
 pub const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs"];
 
 /// Fields `POST /v1/chat/completions` reads besides the common ones.
-pub const CHAT_FIELDS: &[&str] = &["messages", "logprobs", "top_logprobs"];
+pub const CHAT_FIELDS: &[&str] = &["messages", "logprobs", "top_logprobs", "max_completion_tokens"];
 
 /// Whether `value` of a known OpenAI (or vLLM) field that Levee does not
 /// implement asks for nothing, so that the request means the same without
@@ -247,8 +250,34 @@ pub fn parse_generation<R: serde::de::DeserializeOwned>(
     Ok((from_value(&value)?, from_value(&value)?))
 }
 
+/// What a field of several accepted shapes must be, for errors that serde
+/// would word with the name of a Rust type.
+fn expected_shape(path: &str) -> &'static str {
+    match path.rsplit('.').next().unwrap_or(path) {
+        "prompt" => "a string, a list of strings, a list of token ids or a list of lists of token ids",
+        "stop" => "a string or a list of strings",
+        field if field.starts_with("content") => "a string or a list of content parts",
+        _ => "of another shape",
+    }
+}
+
 /// Turns a serde error at `path` into the API's error naming the field.
 fn field_error(path: String, inner: impl std::fmt::Display) -> super::error::ApiError {
+    let inner = inner.to_string();
+    let inner = if inner.contains("untagged enum") {
+        format!("it must be {}", expected_shape(&path))
+    } else {
+        // "expected struct StreamOptions" -> "expected an object"
+        match inner.find("struct ") {
+            Some(at) => {
+                let name = at + "struct ".len();
+                let end =
+                    inner[name..].find(|c: char| !c.is_alphanumeric() && c != '_').map_or(inner.len(), |e| name + e);
+                format!("{}an object{}", &inner[..at], &inner[end..])
+            }
+            None => inner,
+        }
+    };
     let message = if path == "." || path.is_empty() {
         format!("the body is not a valid request: {inner}")
     } else {
