@@ -235,6 +235,9 @@ pub struct PluginRuntimeConfig {
     pub quarantine_after: u32,
     /// Time budget for `init`, in milliseconds.
     pub init_budget_ms: f64,
+    /// Most text a cache hit may carry (over all its choices), bytes; a
+    /// larger hit is a malformed decision.
+    pub max_hit_bytes: usize,
 }
 
 impl Default for PluginRuntimeConfig {
@@ -248,6 +251,8 @@ impl Default for PluginRuntimeConfig {
             max_memory_mib: 256,
             quarantine_after: 5,
             init_budget_ms: 2000.0,
+            // About a 32k-token context's worth of text.
+            max_hit_bytes: 256 << 10,
         }
     }
 }
@@ -403,6 +408,13 @@ pub struct PluginConfig {
     /// Memory cap of one instance, in MiB.
     #[serde(default = "default_memory_mib")]
     pub memory_mib: u64,
+    /// Most lines the plugin may log a second; the rest are dropped and counted.
+    #[serde(default = "default_log_lines_per_sec")]
+    pub log_lines_per_sec: f64,
+}
+
+fn default_log_lines_per_sec() -> f64 {
+    20.0
 }
 
 fn default_time_budget_ms() -> f64 {
@@ -574,6 +586,12 @@ impl Config {
                 runtime.max_memory_mib
             )));
         }
+        if !(1024..=64 << 20).contains(&runtime.max_hit_bytes) {
+            return Err(ConfigError::Invalid(format!(
+                "plugin-runtime.max-hit-bytes must be between 1024 and 64 MiB, got {}",
+                runtime.max_hit_bytes
+            )));
+        }
         if !(runtime.init_budget_ms > 0.0 && runtime.init_budget_ms <= 600_000.0) {
             return Err(ConfigError::Invalid(format!(
                 "plugin-runtime.init-budget-ms must be in (0, 600000], got {}",
@@ -642,6 +660,12 @@ impl Config {
             }
             if !names.insert(plugin.name.as_str()) {
                 return Err(ConfigError::Invalid(format!("plugins[{i}].name {:?} is used twice", plugin.name)));
+            }
+            if !(plugin.log_lines_per_sec >= 0.0 && plugin.log_lines_per_sec <= 10_000.0) {
+                return Err(ConfigError::Invalid(format!(
+                    "plugins[{i}] ({}): log-lines-per-sec must be between 0 and 10000, got {}",
+                    plugin.name, plugin.log_lines_per_sec
+                )));
             }
             if !(plugin.time_budget_ms > 0.0 && plugin.time_budget_ms <= 10_000.0) {
                 return Err(ConfigError::Invalid(format!(

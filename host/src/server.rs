@@ -53,6 +53,15 @@ pub fn render_plugin_metrics(policies: &Policies, caps: &Capabilities, out: &mut
     for p in chain.plugins() {
         let _ = writeln!(out, "levee_plugin_quarantined{{plugin=\"{}\"}} {}", p.name, u8::from(p.stats.quarantined()));
     }
+    header(
+        out,
+        "levee_plugin_log_dropped_total",
+        "counter",
+        "Plugin log lines dropped because the plugin logged past its log-lines-per-sec.",
+    );
+    for p in chain.plugins() {
+        let _ = writeln!(out, "levee_plugin_log_dropped_total{{plugin=\"{}\"}} {}", p.name, p.stats.logs.dropped());
+    }
     header(out, "levee_plugin_shadow_overrides_total", "counter", "Shadow-mode decisions that were not applied.");
     for p in chain.plugins() {
         let _ = writeln!(

@@ -28,6 +28,7 @@ pub fn plugin(name: &str, path: impl Into<PathBuf>, config: serde_json::Value) -
         mode: Mode::Enforce,
         time_budget_ms: 1000.0,
         memory_mib: 64,
+        log_lines_per_sec: 20.0,
     }
 }
 

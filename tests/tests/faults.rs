@@ -106,3 +106,64 @@ async fn a_file_that_is_not_a_component_is_refused_at_start() {
     assert!(err.to_string().contains("garbage"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The scripted guest as the only plugin, failing open.
+async fn scripted(config: serde_json::Value) -> levee::plugins::PluginSystem {
+    let mut settings = runtime_settings(false);
+    settings.quarantine_after = 1000;
+    start(vec![plugin("bad", guests::SCRIPTED, config)], settings).await.unwrap().0
+}
+
+#[tokio::test]
+async fn decisions_past_their_bounds_are_malformed_faults_not_stalls() {
+    let load = Load::default();
+    let malformed = |system: &levee::plugins::PluginSystem| {
+        system.policies.snapshot().plugins()[0].stats.faults_by_kind()[kind("malformed")]
+    };
+
+    // A cache hit of 1 MiB (the bound is 256 KiB): a fault, answered as a miss.
+    let system = scripted(json!({ "hooks": ["lookup"], "lookup": { "hit_bytes": 1 << 20 } })).await;
+    assert!(system.policies.snapshot().lookup(&request("acme", "hi")).await.unwrap().is_none());
+    assert_eq!(malformed(&system), 1);
+    let system = scripted(json!({ "hooks": ["lookup"], "lookup": { "hit_bytes": 100 << 10 } })).await;
+    assert!(system.policies.snapshot().lookup(&request("acme", "hi")).await.unwrap().is_some());
+
+    // Labels go into a header: short tokens only.
+    for label in ["x".repeat(1 << 20), "two\r\nx-forged: 1".to_string(), String::new()] {
+        let system = scripted(json!({ "hooks": ["shape"], "shape": { "label": label } })).await;
+        let shaping = system.policies.snapshot().shape(&request("acme", "hi"), &load).await.unwrap();
+        assert_eq!(shaping.label, None);
+        assert_eq!(malformed(&system), 1, "label of {} bytes", label.len());
+    }
+    let system = scripted(json!({ "hooks": ["shape"], "shape": { "label": "tier-2:capped" } })).await;
+    let shaping = system.policies.snapshot().shape(&request("acme", "hi"), &load).await.unwrap();
+    assert_eq!(shaping.label.as_deref(), Some("tier-2:capped"));
+
+    // Rejection messages, shed messages and scale reasons reach clients: 1 KiB at most.
+    let long = "m".repeat(10_000);
+    let system =
+        scripted(json!({ "hooks": ["admit"], "admit": { "reject": { "status": 429, "message": long } } })).await;
+    assert_eq!(system.policies.snapshot().admit(&request("acme", "hi"), &load).await, Ok(None));
+    assert_eq!(malformed(&system), 1);
+    let system = scripted(json!({ "hooks": ["shape"], "shape": { "shed": { "status": 503, "message": long } } })).await;
+    assert!(system.policies.snapshot().shape(&request("acme", "hi"), &load).await.unwrap().shed.is_none());
+    assert_eq!(malformed(&system), 1);
+    let system = scripted(json!({ "hooks": ["scale"], "scale": { "desired": 2, "reason": long } })).await;
+    assert!(system.policies.snapshot().scale(&levee_tests::signals(load)).await.is_none());
+    assert_eq!(malformed(&system), 1);
+}
+
+#[tokio::test]
+async fn a_log_flood_is_cut_to_the_plugins_rate_and_counted() {
+    let config = json!({ "hooks": ["admit"], "log": { "lines": 500, "text": "one\nINFO levee: forged line" } });
+    let system = scripted(config).await;
+    let chain = system.policies.snapshot();
+    let stats = &chain.plugins()[0].stats;
+    let before = stats.logs.dropped();
+    assert_eq!(chain.admit(&request("acme", "hi"), &Load::default()).await, Ok(None));
+    // The default rate is 20 lines a second: of 500 lines in one call, at most
+    // 20 (plus what refilled meanwhile) were written, the rest counted.
+    let dropped = stats.logs.dropped() - before;
+    assert!((470..=480).contains(&dropped), "{dropped} lines dropped");
+    assert_eq!(stats.total_faults(), 0);
+}

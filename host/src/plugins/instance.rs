@@ -27,6 +27,16 @@ const MAX_KEY_BYTES: usize = 4096;
 /// Most replicas a scale decision may ask for.
 const MAX_REPLICAS: u32 = 10_000;
 
+/// Longest rejection message or scale reason, bytes: clients and
+/// `/v1/scaling` readers see them.
+const MAX_MESSAGE_BYTES: usize = 1024;
+
+/// Longest degradation label, bytes: it is sent as `x-levee-degraded`.
+const MAX_LABEL_BYTES: usize = 64;
+
+/// Longest model name a shape decision may route to, bytes.
+const MAX_MODEL_BYTES: usize = 256;
+
 /// How a loaded plugin is called: everything fixed at load time.
 #[derive(Clone)]
 pub struct CallSettings {
@@ -40,6 +50,8 @@ pub struct CallSettings {
     pub max_idle: usize,
     /// Consecutive faults that quarantine the plugin.
     pub quarantine_after: u32,
+    /// Most text a cache hit may carry over all its choices, bytes.
+    pub max_hit_bytes: usize,
 }
 
 struct Slot {
@@ -114,12 +126,37 @@ async fn invoke(plugin: &Plugin, store: &mut Store<PluginState>, call: &Call<'_>
     })
 }
 
-fn check_rejection(status: u16, retry_after: Option<u32>, what: &str) -> Result<(), Fault> {
+fn check_rejection(status: u16, retry_after: Option<u32>, message: &str, what: &str) -> Result<(), Fault> {
     if !(400..=599).contains(&status) {
         return Err(Fault::Malformed(format!("{what} status must be 400-599, got {status}")));
     }
+    check_length(message, MAX_MESSAGE_BYTES, &format!("{what} message"))?;
     if retry_after.is_some_and(|s| s > 86_400) {
         return Err(Fault::Malformed(format!("{what} retry-after-secs must be ≤ 86400, got {retry_after:?}")));
+    }
+    Ok(())
+}
+
+fn check_length(text: &str, max: usize, what: &str) -> Result<(), Fault> {
+    check_length_of(text.len(), max, what)
+}
+
+fn check_length_of(len: usize, max: usize, what: &str) -> Result<(), Fault> {
+    if len > max {
+        return Err(Fault::Malformed(format!("{what} must be at most {max} bytes, got {len}")));
+    }
+    Ok(())
+}
+
+/// A label is sent as a header value: a short token of letters, digits and `-_.:`.
+fn check_label(label: &str) -> Result<(), Fault> {
+    let token = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
+    if label.is_empty() || label.len() > MAX_LABEL_BYTES || !label.chars().all(token) {
+        let shown: String = label.chars().take(MAX_LABEL_BYTES).collect();
+        return Err(Fault::Malformed(format!(
+            "shape label must be 1-{MAX_LABEL_BYTES} letters, digits or -_.: ({} bytes: {shown:?})",
+            label.len()
+        )));
     }
     Ok(())
 }
@@ -131,15 +168,18 @@ fn check_similarity(value: f32, what: &str) -> Result<(), Fault> {
     Ok(())
 }
 
-/// Checks a decision against the contract; a violation is a fault.
-fn validate(answer: &Answer) -> Result<(), Fault> {
+/// Checks a decision against the contract (values in range, texts within
+/// their bounds); a violation is a fault.
+fn validate(answer: &Answer, settings: &CallSettings) -> Result<(), Fault> {
     match answer {
-        Answer::Admission(Admission::Reject(r)) => check_rejection(r.status, r.retry_after_secs, "reject"),
+        Answer::Admission(Admission::Reject(r)) => check_rejection(r.status, r.retry_after_secs, &r.message, "reject"),
         Answer::Lookup(LookupResult::Hit(CacheHit { response, similarity })) => {
             check_similarity(*similarity, "cache hit similarity")?;
             if response.choices.is_empty() {
                 return Err(Fault::Malformed("cache hit has no choices".into()));
             }
+            let text: usize = response.choices.iter().map(|c| c.text.len()).sum();
+            check_length_of(text, settings.max_hit_bytes, "cache hit text")?;
             if let Some(c) = response.choices.iter().find(|c| !matches!(c.finish_reason.as_str(), "stop" | "length")) {
                 return Err(Fault::Malformed(format!(
                     "cache hit finish-reason must be `stop` or `length`, got {:?}",
@@ -161,11 +201,17 @@ fn validate(answer: &Answer) -> Result<(), Fault> {
             if s.route_model.as_deref() == Some("") {
                 return Err(Fault::Malformed("shape route-model must not be empty".into()));
             }
+            if let Some(model) = &s.route_model {
+                check_length(model, MAX_MODEL_BYTES, "shape route-model")?;
+            }
+            if let Some(label) = &s.label {
+                check_label(label)?;
+            }
             if let Some(floor) = s.cache_min_similarity {
                 check_similarity(floor, "shape cache-min-similarity")?;
             }
             if let Some(shed) = &s.shed {
-                check_rejection(shed.status, shed.retry_after_secs, "shed")?;
+                check_rejection(shed.status, shed.retry_after_secs, &shed.message, "shed")?;
             }
             Ok(())
         }
@@ -173,6 +219,7 @@ fn validate(answer: &Answer) -> Result<(), Fault> {
             "scale desired-replicas must be ≤ {MAX_REPLICAS}, got {}",
             d.desired_replicas
         ))),
+        Answer::Scale(d) => check_length(&d.reason, MAX_MESSAGE_BYTES, "scale reason"),
         _ => Ok(()),
     }
 }
@@ -192,6 +239,7 @@ impl LoadedPlugin {
     ) -> Result<Self, String> {
         let config_json =
             serde_json::to_string(&config.config).map_err(|e| format!("config is not valid JSON: {e}"))?;
+        stats.logs.set_rate(config.log_lines_per_sec);
         let mut plugin = Self {
             name: Arc::from(config.name.as_str()),
             config,
@@ -239,7 +287,8 @@ impl LoadedPlugin {
     }
 
     async fn new_instance(&self) -> Result<(Slot, Manifest), Fault> {
-        let state = PluginState::new(self.name.clone(), self.settings.memory_bytes, self.caps.clone());
+        let state =
+            PluginState::new(self.name.clone(), self.settings.memory_bytes, self.caps.clone(), self.stats.clone());
         let mut store = Store::new(&self.engine, state);
         store.limiter(|state| &mut state.cap);
         store.epoch_deadline_callback(|ctx| {
@@ -329,7 +378,7 @@ impl LoadedPlugin {
             };
         // The instance is sound even when its decision is not.
         self.put_back(slot);
-        validate(&answer)?;
+        validate(&answer, &self.settings)?;
         Ok(answer)
     }
 

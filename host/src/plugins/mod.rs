@@ -11,6 +11,7 @@
 pub mod bindings;
 pub mod chain;
 pub mod instance;
+pub mod logs;
 pub mod reload;
 pub mod runtime;
 pub mod state;

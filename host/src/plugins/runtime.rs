@@ -135,6 +135,7 @@ impl PluginRuntime {
             memory_bytes: (config.memory_mib as usize) << 20,
             max_idle: self.settings.idle_instances,
             quarantine_after: self.settings.quarantine_after,
+            max_hit_bytes: self.settings.max_hit_bytes,
         };
         LoadedPlugin::start(config.clone(), version, pre, self.engine.clone(), self.caps.clone(), settings, stats)
             .await

@@ -48,18 +48,26 @@ pub struct PluginState {
     /// When the current call must be done.
     pub deadline: Instant,
     caps: Arc<Capabilities>,
+    stats: Arc<super::stats::PluginStats>,
     wasi: WasiCtx,
     table: ResourceTable,
 }
 
 impl PluginState {
-    /// State for an instance of `plugin` capped at `memory_bytes`.
-    pub fn new(plugin: Arc<str>, memory_bytes: usize, caps: Arc<Capabilities>) -> Self {
+    /// State for an instance of `plugin` capped at `memory_bytes`; `stats`
+    /// are the plugin's (its log rate among them).
+    pub fn new(
+        plugin: Arc<str>,
+        memory_bytes: usize,
+        caps: Arc<Capabilities>,
+        stats: Arc<super::stats::PluginStats>,
+    ) -> Self {
         Self {
             plugin,
             cap: MemoryCap::new(memory_bytes),
             deadline: Instant::now(),
             caps,
+            stats,
             // Nothing is granted: no files, no network, no environment, no stdio.
             wasi: WasiCtx::builder().build(),
             table: ResourceTable::new(),
@@ -81,7 +89,17 @@ impl types::Host for PluginState {}
 
 impl runtime::Host for PluginState {
     async fn log(&mut self, level: runtime::Level, message: String) {
+        use super::logs::{Verdict, one_line};
         let plugin = &*self.plugin;
+        match self.stats.logs.admit() {
+            Verdict::Write => {}
+            Verdict::Drop => return,
+            Verdict::DropAndWarn(n) => {
+                tracing::warn!(plugin, "plugin log over its rate: {n} lines dropped");
+                return;
+            }
+        }
+        let message = one_line(&message);
         match level {
             runtime::Level::Trace => tracing::trace!(plugin, "{message}"),
             runtime::Level::Debug => tracing::debug!(plugin, "{message}"),

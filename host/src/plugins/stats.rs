@@ -55,6 +55,8 @@ pub struct PluginStats {
     shadow_overrides: AtomicU64,
     consecutive_faults: AtomicU32,
     quarantined: AtomicBool,
+    /// The plugin's log rate and the lines it dropped.
+    pub logs: super::logs::LogLimit,
 }
 
 impl Default for PluginStats {
@@ -67,6 +69,7 @@ impl Default for PluginStats {
             shadow_overrides: AtomicU64::new(0),
             consecutive_faults: AtomicU32::new(0),
             quarantined: AtomicBool::new(false),
+            logs: Default::default(),
         }
     }
 }

@@ -131,8 +131,10 @@ impl Config {
         }
         for (index, level) in self.levels.iter().enumerate() {
             let at = |field: &str| format!("levels[{index}].{field}");
-            if level.name.trim().is_empty() {
-                return Err(invalid(PLUGIN, &at("name"), "a non-empty name", "\"\""));
+            // The name is the `x-levee-degraded` label: a short header-safe token.
+            let token = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':');
+            if level.name.is_empty() || level.name.len() > 64 || !level.name.chars().all(token) {
+                return Err(invalid(PLUGIN, &at("name"), "1-64 letters, digits or -_.:", &level.name));
             }
             if self.levels[..index].iter().any(|l| l.name == level.name) {
                 return Err(invalid(PLUGIN, &at("name"), "unique", &level.name));

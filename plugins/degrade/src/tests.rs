@@ -158,4 +158,7 @@ fn invalid_configuration_names_the_field_and_the_limit() {
     let error = refused(r#"{"levels": [{"name": "a", "enter": {"queue-depth": 1}, "max-token": 5}]}"#);
     assert!(error.contains("max-token"), "{error}");
     assert!(refused("{}").contains("levels"), "levels are required");
+    // The name becomes the x-levee-degraded header value.
+    let error = refused(r#"{"levels": [{"name": "heavy load", "enter": {"queue-depth": 1}, "max-tokens": 5}]}"#);
+    assert!(error.contains("`levels[0].name`") && error.contains("1-64 letters"), "{error}");
 }

@@ -5,13 +5,16 @@
 //! { "hooks": ["admit", "lookup", "coalesce-key", "shape", "completed", "scale"],
 //!   "admit": { "allow": 3 } | { "reject": { "status": 429, "retry_after": 2, "message": "…" } },
 //!   "bucket": { "capacity": 5, "refill": 0.5 },
-//!   "lookup": { "hit": "cached text", "similarity": 0.97 },
+//!   "lookup": { "hit": "cached text", "similarity": 0.97 } | { "hit_bytes": 1048576 },
 //!   "coalesce_key": "key",
 //!   "shape": { "max_tokens": 8, "truncate": 100, "route": "small", "floor": 0.8, "label": "capped",
 //!              "shed": { "status": 503, "retry_after": 1, "message": "…" } },
 //!   "scale": { "desired": 3, "reason": "…" },
-//!   "count": true }
+//!   "count": true,
+//!   "log": { "lines": 1000, "text": "a line\nwith a forged one" } }
 //! ```
+//!
+//! With `log`, every call writes `lines` log lines of `text`.
 //!
 //! With `bucket`, `admit` takes one token from the host's bucket of the
 //! request's tenant. With `count`, every call adds one to the host key
@@ -50,6 +53,10 @@ fn rejection(value: &Value) -> Rejection {
 
 impl Scripted {
     fn count(&self, hook: &str) {
+        let log = &self.config["log"];
+        for _ in 0..log["lines"].as_u64().unwrap_or(0) {
+            host::log(host::Level::Info, log["text"].as_str().unwrap_or(""));
+        }
         if self.config["count"].as_bool() == Some(true) {
             let _ = host::kv_incr(&format!("calls:{hook}"), 1, 0);
             host::counter_add(&format!("calls_{}", hook.replace('-', "_")), 1);
@@ -102,7 +109,8 @@ impl Policy for Scripted {
     fn lookup(&mut self, _request: &Request) -> LookupResult {
         self.count("lookup");
         let lookup = &self.config["lookup"];
-        match lookup["hit"].as_str() {
+        let generated = lookup["hit_bytes"].as_u64().map(|n| "x".repeat(n as usize));
+        match lookup["hit"].as_str().or(generated.as_deref()) {
             Some(text) => LookupResult::Hit(CacheHit {
                 response: levee_plugin_sdk::Response {
                     choices: vec![levee_plugin_sdk::Choice {
