@@ -1,5 +1,6 @@
 //! Admin routes, behind their own bearer token: `GET /admin/plugins` lists
-//! the chain, `POST /admin/plugins/reload` reloads it.
+//! the chain, `POST /admin/plugins/reload` reloads it, and
+//! `POST /admin/plugins/{name}/lift-quarantine` calls a quarantined plugin again.
 
 use crate::plugins::bindings::Hook;
 use crate::plugins::{FAULT_KINDS, Policies, ReloadHandle};
@@ -100,7 +101,37 @@ async fn reload(State(state): State<AdminState>, headers: HeaderMap) -> Response
     }
 }
 
+/// `POST /admin/plugins/{name}/lift-quarantine`: calls the plugin again
+/// (for a fault that was outside it, such as a store outage).
+async fn lift_quarantine(
+    State(state): State<AdminState>,
+    headers: HeaderMap,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Response {
+    if let Some(denied) = refuse(&state, &headers) {
+        return denied;
+    }
+    let chain = state.policies.snapshot();
+    let Some(plugin) = chain.plugins().iter().find(|p| *p.name == *name) else {
+        let names: Vec<&str> = chain.plugins().iter().map(|p| &*p.name).collect();
+        return error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            &format!("no plugin {name:?} (the chain has {names:?})"),
+        );
+    };
+    let was = plugin.stats.reset_quarantine();
+    if was {
+        tracing::warn!(plugin = &*plugin.name, "quarantine lifted through the admin API");
+    }
+    Json(json!({ "name": &*plugin.name, "was_quarantined": was, "quarantined": false })).into_response()
+}
+
 /// The admin router.
 pub fn router(state: AdminState) -> Router {
-    Router::new().route("/admin/plugins", get(list)).route("/admin/plugins/reload", post(reload)).with_state(state)
+    Router::new()
+        .route("/admin/plugins", get(list))
+        .route("/admin/plugins/reload", post(reload))
+        .route("/admin/plugins/{name}/lift-quarantine", post(lift_quarantine))
+        .with_state(state)
 }

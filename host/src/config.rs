@@ -411,6 +411,14 @@ pub struct PluginConfig {
     /// Most lines the plugin may log a second; the rest are dropped and counted.
     #[serde(default = "default_log_lines_per_sec")]
     pub log_lines_per_sec: f64,
+    /// Most instances of this plugin alive at once (its share of
+    /// `plugin-runtime.max-instances`); calls past it wait within their budget.
+    #[serde(default = "default_plugin_instances")]
+    pub max_instances: usize,
+}
+
+fn default_plugin_instances() -> usize {
+    16
 }
 
 fn default_log_lines_per_sec() -> f64 {
@@ -660,6 +668,12 @@ impl Config {
             }
             if !names.insert(plugin.name.as_str()) {
                 return Err(ConfigError::Invalid(format!("plugins[{i}].name {:?} is used twice", plugin.name)));
+            }
+            if plugin.max_instances == 0 || plugin.max_instances > runtime.max_instances as usize {
+                return Err(ConfigError::Invalid(format!(
+                    "plugins[{i}] ({}): max-instances must be between 1 and plugin-runtime.max-instances ({}), got {}",
+                    plugin.name, runtime.max_instances, plugin.max_instances
+                )));
             }
             if !(plugin.log_lines_per_sec >= 0.0 && plugin.log_lines_per_sec <= 10_000.0) {
                 return Err(ConfigError::Invalid(format!(

@@ -29,6 +29,7 @@ pub fn plugin(name: &str, path: impl Into<PathBuf>, config: serde_json::Value) -
         time_budget_ms: 1000.0,
         memory_mib: 64,
         log_lines_per_sec: 20.0,
+        max_instances: 16,
     }
 }
 

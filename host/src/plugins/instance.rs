@@ -13,8 +13,10 @@ use super::state::PluginState;
 use super::stats::{Fault, PluginStats};
 use crate::capabilities::Capabilities;
 use crate::config::{Mode, OnFault, PluginConfig};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use wasmtime::{Store, Trap, UpdateDeadline};
 
 /// Extra time granted past the budget before an awaiting host call (e.g. a
@@ -52,11 +54,34 @@ pub struct CallSettings {
     pub quarantine_after: u32,
     /// Most text a cache hit may carry over all its choices, bytes.
     pub max_hit_bytes: usize,
+    /// Most instances of the plugin alive at once, idle or busy.
+    pub max_instances: usize,
 }
 
+/// One initialised instance; it holds one of the plugin's instance permits
+/// for as long as it lives.
 struct Slot {
     store: Store<PluginState>,
     plugin: Plugin,
+    _permit: OwnedSemaphorePermit,
+}
+
+/// What making an instance of one plugin version needs; cheap to clone into
+/// the background task that keeps the idle pool warm.
+#[derive(Clone)]
+struct Factory {
+    name: Arc<str>,
+    settings: CallSettings,
+    config_json: Arc<str>,
+    pre: PluginPre<PluginState>,
+    engine: wasmtime::Engine,
+    caps: Arc<Capabilities>,
+    stats: Arc<PluginStats>,
+    /// One permit per live instance (idle or busy): the plugin's own share
+    /// of the pooling allocator, so that it cannot take another's.
+    live: Arc<Semaphore>,
+    idle: Arc<Mutex<Vec<Slot>>>,
+    warming: Arc<AtomicBool>,
 }
 
 /// One version of one plugin, ready to call.
@@ -73,11 +98,7 @@ pub struct LoadedPlugin {
     pub stats: Arc<PluginStats>,
     hooks: [bool; 6],
     settings: CallSettings,
-    config_json: String,
-    pre: PluginPre<PluginState>,
-    engine: wasmtime::Engine,
-    caps: Arc<Capabilities>,
-    idle: Mutex<Vec<Slot>>,
+    factory: Factory,
 }
 
 /// One hook call with borrowed arguments.
@@ -224,9 +245,104 @@ fn validate(answer: &Answer, settings: &CallSettings) -> Result<(), Fault> {
     }
 }
 
+impl Factory {
+    /// Makes and initialises an instance whose `init` must finish within
+    /// `budget`, holding `permit`.
+    async fn make(&self, budget: Duration, permit: OwnedSemaphorePermit) -> Result<(Slot, Manifest), Fault> {
+        let state =
+            PluginState::new(self.name.clone(), self.settings.memory_bytes, self.caps.clone(), self.stats.clone());
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|state| &mut state.cap);
+        store.epoch_deadline_callback(|ctx| {
+            if Instant::now() >= ctx.data().deadline {
+                Err(Trap::Interrupt.into())
+            } else {
+                Ok(UpdateDeadline::Yield(1))
+            }
+        });
+        store.data_mut().deadline = Instant::now() + budget;
+        store.set_epoch_deadline(1);
+        let started = async {
+            let plugin = self.pre.instantiate_async(&mut store).await?;
+            let manifest = plugin.call_init(&mut store, &self.config_json).await?;
+            wasmtime::Result::Ok((plugin, manifest))
+        };
+        let outcome = tokio::time::timeout(budget + HOST_CALL_GRACE, started).await;
+        let (plugin, manifest) = match outcome {
+            Err(_) => return Err(Fault::Instantiate(format!("init ran past its budget of {budget:?}"))),
+            Ok(Err(error)) => {
+                return Err(Fault::Instantiate(match self.classify(&error, &store) {
+                    Fault::Deadline(_) => format!("init ran past its budget of {budget:?}"),
+                    other => other.to_string(),
+                }));
+            }
+            Ok(Ok((_, Err(message)))) => return Err(Fault::Instantiate(format!("init refused: {message}"))),
+            Ok(Ok((plugin, Ok(manifest)))) => (plugin, manifest),
+        };
+        Ok((Slot { store, plugin, _permit: permit }, manifest))
+    }
+
+    fn classify(&self, error: &wasmtime::Error, store: &Store<PluginState>) -> Fault {
+        if store.data().cap.exceeded {
+            Fault::OverMemory(self.settings.memory_bytes as u64 >> 20)
+        } else if matches!(error.downcast_ref::<Trap>(), Some(Trap::Interrupt)) {
+            Fault::Deadline(self.settings.budget)
+        } else {
+            // The whole reason, on one bounded line.
+            Fault::Trap(super::logs::one_line(&format!("{error:#}")))
+        }
+    }
+
+    fn idle_count(&self) -> usize {
+        self.idle.lock().map(|v| v.len()).unwrap_or(0)
+    }
+
+    fn take_idle(&self) -> Option<Slot> {
+        self.idle.lock().ok()?.pop()
+    }
+
+    fn put_back(&self, slot: Slot) {
+        if let Ok(mut idle) = self.idle.lock()
+            && idle.len() < self.settings.max_idle
+        {
+            idle.push(slot);
+        }
+    }
+
+    /// Fills the idle pool up to `max_idle` in the background, with `init`
+    /// under its own budget: a slow `init` runs here, not on a request's
+    /// path. One warmer per plugin version at a time; a failure counts as a
+    /// fault and ends the round.
+    fn warm(&self) {
+        if self.settings.max_idle == 0 || self.warming.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let factory = self.clone();
+        tokio::spawn(async move {
+            while factory.idle_count() < factory.settings.max_idle {
+                let Ok(permit) = factory.live.clone().try_acquire_owned() else { break };
+                let started = Instant::now();
+                match factory.make(factory.settings.init_budget, permit).await {
+                    Ok((slot, _)) => factory.put_back(slot),
+                    Err(fault) => {
+                        // A full pooling allocator is the host's limit, not the plugin's doing.
+                        if !fault.to_string().contains("maximum concurrent") {
+                            factory.stats.record_instance_fault(&fault, started.elapsed());
+                        }
+                        tracing::warn!(plugin = &*factory.name, "warming an instance failed: {fault}");
+                        break;
+                    }
+                }
+            }
+            factory.warming.store(false, Ordering::Release);
+        });
+    }
+}
+
 impl LoadedPlugin {
-    /// Instantiates a first instance of `pre`, runs `init`, and keeps it.
-    /// Fails with the plugin's own message when `init` refuses.
+    /// Instantiates a first instance of `pre`, runs `init`, and keeps it;
+    /// the rest of the idle pool is warmed in the background. Fails with the
+    /// plugin's own message when `init` refuses.
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn start(
         config: PluginConfig,
@@ -240,30 +356,31 @@ impl LoadedPlugin {
         let config_json =
             serde_json::to_string(&config.config).map_err(|e| format!("config is not valid JSON: {e}"))?;
         stats.logs.set_rate(config.log_lines_per_sec);
-        let mut plugin = Self {
-            name: Arc::from(config.name.as_str()),
-            config,
-            version,
-            manifest: Manifest { name: String::new(), version: String::new(), hooks: Vec::new() },
-            stats,
-            hooks: [false; 6],
-            settings,
-            config_json,
+        let name: Arc<str> = Arc::from(config.name.as_str());
+        let factory = Factory {
+            name: name.clone(),
+            settings: settings.clone(),
+            config_json: Arc::from(config_json),
             pre,
             engine,
             caps,
-            idle: Mutex::new(Vec::new()),
+            stats: stats.clone(),
+            live: Arc::new(Semaphore::new(settings.max_instances.max(1))),
+            idle: Arc::default(),
+            warming: Arc::default(),
         };
-        let (slot, manifest) = plugin.new_instance().await.map_err(|fault| match fault {
+        let permit = factory.live.clone().try_acquire_owned().map_err(|e| e.to_string())?;
+        let (slot, manifest) = factory.make(settings.init_budget, permit).await.map_err(|fault| match fault {
             Fault::Instantiate(message) => message,
             other => other.to_string(),
         })?;
+        let mut hooks = [false; 6];
         for hook in &manifest.hooks {
-            plugin.hooks[hook.index()] = true;
+            hooks[hook.index()] = true;
         }
-        plugin.manifest = manifest;
-        plugin.put_back(slot);
-        Ok(plugin)
+        factory.put_back(slot);
+        factory.warm();
+        Ok(Self { name, config, version, manifest, stats, hooks, settings, factory })
     }
 
     /// Whether the plugin declared `hook`.
@@ -283,64 +400,7 @@ impl LoadedPlugin {
 
     /// Idle instances right now.
     pub fn idle_instances(&self) -> usize {
-        self.idle.lock().map(|v| v.len()).unwrap_or(0)
-    }
-
-    async fn new_instance(&self) -> Result<(Slot, Manifest), Fault> {
-        let state =
-            PluginState::new(self.name.clone(), self.settings.memory_bytes, self.caps.clone(), self.stats.clone());
-        let mut store = Store::new(&self.engine, state);
-        store.limiter(|state| &mut state.cap);
-        store.epoch_deadline_callback(|ctx| {
-            if Instant::now() >= ctx.data().deadline {
-                Err(Trap::Interrupt.into())
-            } else {
-                Ok(UpdateDeadline::Yield(1))
-            }
-        });
-        store.data_mut().deadline = Instant::now() + self.settings.init_budget;
-        store.set_epoch_deadline(1);
-        let budget = self.settings.init_budget;
-        let started = async {
-            let plugin = self.pre.instantiate_async(&mut store).await?;
-            let manifest = plugin.call_init(&mut store, &self.config_json).await?;
-            wasmtime::Result::Ok((plugin, manifest))
-        };
-        let outcome = tokio::time::timeout(budget + HOST_CALL_GRACE, started).await;
-        let (plugin, manifest) = match outcome {
-            Err(_) => return Err(Fault::Instantiate(format!("init ran past its budget of {budget:?}"))),
-            Ok(Err(error)) => {
-                return Err(Fault::Instantiate(match self.classify(&error, &store) {
-                    Fault::Deadline(_) => format!("init ran past its budget of {budget:?}"),
-                    other => other.to_string(),
-                }));
-            }
-            Ok(Ok((_, Err(message)))) => return Err(Fault::Instantiate(format!("init refused: {message}"))),
-            Ok(Ok((plugin, Ok(manifest)))) => (plugin, manifest),
-        };
-        Ok((Slot { store, plugin }, manifest))
-    }
-
-    fn classify(&self, error: &wasmtime::Error, store: &Store<PluginState>) -> Fault {
-        if store.data().cap.exceeded {
-            Fault::OverMemory(self.settings.memory_bytes as u64 >> 20)
-        } else if matches!(error.downcast_ref::<Trap>(), Some(Trap::Interrupt)) {
-            Fault::Deadline(self.settings.budget)
-        } else {
-            Fault::Trap(format!("{error:#}").lines().next().unwrap_or("unknown trap").to_string())
-        }
-    }
-
-    fn take_idle(&self) -> Option<Slot> {
-        self.idle.lock().ok()?.pop()
-    }
-
-    fn put_back(&self, slot: Slot) {
-        if let Ok(mut idle) = self.idle.lock()
-            && idle.len() < self.settings.max_idle
-        {
-            idle.push(slot);
-        }
+        self.factory.idle_count()
     }
 
     async fn call(&self, call: Call<'_>) -> Result<Answer, Fault> {
@@ -355,29 +415,59 @@ impl LoadedPlugin {
             tracing::error!(
                 plugin = &*self.name,
                 version = %self.version,
-                "plugin quarantined after {} consecutive faults; reload it to lift the quarantine",
-                self.settings.quarantine_after
+                "plugin quarantined after repeated faults ({} in a row, or half of its last {} calls); load a fixed \
+                 version, or lift it with POST /admin/plugins/{}/lift-quarantine",
+                self.settings.quarantine_after,
+                super::stats::RATE_WINDOW,
+                self.name
             );
         }
         outcome
     }
 
-    async fn call_inner(&self, call: &Call<'_>) -> Result<Answer, Fault> {
-        let mut slot = match self.take_idle() {
-            Some(slot) => slot,
-            None => self.new_instance().await?.0,
+    /// An instance for one call, within the call's budget: an idle one, or a
+    /// new one whose `init` must finish within the budget too (a slow `init`
+    /// is the plugin's fault, not the request's wait). The warmer refills the
+    /// idle pool in the background.
+    async fn instance(&self, budget: Duration) -> Result<Slot, Fault> {
+        if let Some(slot) = self.factory.take_idle() {
+            if self.factory.idle_count() == 0 {
+                self.factory.warm();
+            }
+            return Ok(slot);
+        }
+        self.factory.warm();
+        let started = Instant::now();
+        let permit = match tokio::time::timeout(budget, self.factory.live.clone().acquire_owned()).await {
+            Ok(Ok(permit)) => permit,
+            _ => {
+                return Err(Fault::Instantiate(format!(
+                    "all {} of the plugin's instances stayed busy for the call's budget of {budget:?}",
+                    self.settings.max_instances
+                )));
+            }
         };
+        // A warm instance may have come back while waiting.
+        if let Some(slot) = self.factory.take_idle() {
+            return Ok(slot);
+        }
+        let left = budget.saturating_sub(started.elapsed());
+        Ok(self.factory.make(left, permit).await?.0)
+    }
+
+    async fn call_inner(&self, call: &Call<'_>) -> Result<Answer, Fault> {
         let budget = self.settings.budget;
+        let mut slot = self.instance(budget).await?;
         slot.store.data_mut().deadline = Instant::now() + budget;
         slot.store.set_epoch_deadline(1);
         let answer =
             match tokio::time::timeout(budget + HOST_CALL_GRACE, invoke(&slot.plugin, &mut slot.store, call)).await {
                 Err(_) => return Err(Fault::Deadline(budget)),
-                Ok(Err(error)) => return Err(self.classify(&error, &slot.store)),
+                Ok(Err(error)) => return Err(self.factory.classify(&error, &slot.store)),
                 Ok(Ok(answer)) => answer,
             };
         // The instance is sound even when its decision is not.
-        self.put_back(slot);
+        self.factory.put_back(slot);
         validate(&answer, &self.settings)?;
         Ok(answer)
     }

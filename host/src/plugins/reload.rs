@@ -81,7 +81,7 @@ impl Reloader {
             }
             let stats = self.stats_for(&config.name);
             let plugin: LoadedPlugin = self.runtime.load(&config, bytes, stats.clone()).await?;
-            stats.reset_quarantine();
+            let _ = stats.reset_quarantine();
             tracing::info!(plugin = config.name, version = plugin.version, hooks = ?plugin.manifest.hooks, "plugin loaded");
             reloaded.push(config.name.clone());
             plugins.push(Arc::new(plugin));

@@ -136,6 +136,7 @@ impl PluginRuntime {
             max_idle: self.settings.idle_instances,
             quarantine_after: self.settings.quarantine_after,
             max_hit_bytes: self.settings.max_hit_bytes,
+            max_instances: config.max_instances,
         };
         LoadedPlugin::start(config.clone(), version, pre, self.engine.clone(), self.caps.clone(), settings, stats)
             .await

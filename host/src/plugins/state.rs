@@ -183,16 +183,31 @@ impl vectors::Host for PluginState {
     }
 }
 
+impl PluginState {
+    /// Logs a host warning about this plugin under its log rate, so that a
+    /// plugin cannot make the host write without bound either.
+    fn warn_limited(&self, message: &str) {
+        use super::logs::{Verdict, one_line};
+        match self.stats.logs.admit() {
+            Verdict::Write => tracing::warn!(plugin = &*self.plugin, "{}", one_line(message)),
+            Verdict::Drop => {}
+            Verdict::DropAndWarn(n) => {
+                tracing::warn!(plugin = &*self.plugin, "plugin log over its rate: {n} lines dropped")
+            }
+        }
+    }
+}
+
 impl metrics::Host for PluginState {
     async fn counter_add(&mut self, name: String, delta: u64) {
         if let Err(message) = self.caps.metrics.counter_add(&self.plugin, &name, delta) {
-            tracing::warn!(plugin = &*self.plugin, "metric refused: {message}");
+            self.warn_limited(&format!("metric refused: {message}"));
         }
     }
 
     async fn gauge_set(&mut self, name: String, value: f64) {
         if let Err(message) = self.caps.metrics.gauge_set(&self.plugin, &name, value) {
-            tracing::warn!(plugin = &*self.plugin, "metric refused: {message}");
+            self.warn_limited(&format!("metric refused: {message}"));
         }
     }
 }

@@ -29,6 +29,9 @@ pub enum Fault {
     Quarantined,
 }
 
+/// Calls over which a plugin's fault rate is judged: half or more faulty quarantines it.
+pub const RATE_WINDOW: u32 = 20;
+
 /// Fault kinds that are counted (quarantine is a state, not a fault).
 pub const FAULT_KINDS: [&str; 5] = ["trap", "deadline", "over-memory", "malformed", "instantiate"];
 
@@ -54,6 +57,8 @@ pub struct PluginStats {
     latency: [Histogram; 6],
     shadow_overrides: AtomicU64,
     consecutive_faults: AtomicU32,
+    /// Outcomes of the last calls, newest in bit 0 (1 = fault), and how many are in.
+    recent: std::sync::Mutex<(u64, u32)>,
     quarantined: AtomicBool,
     /// The plugin's log rate and the lines it dropped.
     pub logs: super::logs::LogLimit,
@@ -68,6 +73,7 @@ impl Default for PluginStats {
             latency: std::array::from_fn(|_| Histogram::new(HOOK_BUCKETS)),
             shadow_overrides: AtomicU64::new(0),
             consecutive_faults: AtomicU32::new(0),
+            recent: std::sync::Mutex::new((0, 0)),
             quarantined: AtomicBool::new(false),
             logs: Default::default(),
         }
@@ -77,11 +83,22 @@ impl Default for PluginStats {
 impl PluginStats {
     /// Records one call of `hook` that took `elapsed`. Returns true when this
     /// fault tipped the plugin into quarantine.
+    /// The plugin is quarantined after `quarantine_after` faults in a row,
+    /// or when half or more of its last [`RATE_WINDOW`] calls faulted (a
+    /// plugin that faults every other call never has a long run).
     pub fn record(&self, hook: Hook, elapsed: Duration, fault: Option<&Fault>, quarantine_after: u32) -> bool {
         let h = hook.index();
         self.calls[h].fetch_add(1, Ordering::Relaxed);
         self.latency[h].observe(elapsed.as_secs_f64());
-        match fault.and_then(Fault::kind) {
+        let kind = fault.and_then(Fault::kind);
+        let faulty_share = {
+            let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+            let mask = (1u64 << RATE_WINDOW) - 1;
+            recent.0 = ((recent.0 << 1) | u64::from(kind.is_some())) & mask;
+            recent.1 = (recent.1 + 1).min(RATE_WINDOW);
+            (recent.1 == RATE_WINDOW).then(|| recent.0.count_ones() * 2 >= RATE_WINDOW)
+        };
+        match kind {
             None => {
                 self.consecutive_faults.store(0, Ordering::Relaxed);
                 false
@@ -90,8 +107,16 @@ impl PluginStats {
                 self.hook_faults[h].fetch_add(1, Ordering::Relaxed);
                 self.faults[kind].fetch_add(1, Ordering::Relaxed);
                 let run = self.consecutive_faults.fetch_add(1, Ordering::Relaxed) + 1;
-                run >= quarantine_after && !self.quarantined.swap(true, Ordering::Relaxed)
+                (run >= quarantine_after || faulty_share == Some(true))
+                    && !self.quarantined.swap(true, Ordering::Relaxed)
             }
+        }
+    }
+
+    /// Counts a fault of making an instance in the background (no call was made).
+    pub fn record_instance_fault(&self, fault: &Fault, _elapsed: Duration) {
+        if let Some(kind) = fault.kind() {
+            self.faults[kind].fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -100,10 +125,12 @@ impl PluginStats {
         self.shadow_overrides.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Lifts quarantine (a new version was loaded).
-    pub fn reset_quarantine(&self) {
+    /// Lifts quarantine (a new version was loaded, or an operator said so)
+    /// and forgets the recent faults; returns whether it was quarantined.
+    pub fn reset_quarantine(&self) -> bool {
         self.consecutive_faults.store(0, Ordering::Relaxed);
-        self.quarantined.store(false, Ordering::Relaxed);
+        *self.recent.lock().unwrap_or_else(|p| p.into_inner()) = (0, 0);
+        self.quarantined.swap(false, Ordering::Relaxed)
     }
 
     /// Whether the plugin is quarantined.

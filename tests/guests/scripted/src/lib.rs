@@ -14,7 +14,10 @@
 //!   "log": { "lines": 1000, "text": "a line\nwith a forged one" } }
 //! ```
 //!
-//! With `log`, every call writes `lines` log lines of `text`.
+//! With `log`, every call writes `lines` log lines of `text`. With
+//! `"init_spin_ms": N`, `init` spins N milliseconds (by the host clock)
+//! before answering, and with `"call_spin_ms": N` every hook call does. With `"fault_every": N`, every Nth hook call (counted
+//! in the host key `faults`) traps.
 //!
 //! With `bucket`, `admit` takes one token from the host's bucket of the
 //! request's tenant. With `count`, every call adds one to the host key
@@ -53,6 +56,16 @@ fn rejection(value: &Value) -> Rejection {
 
 impl Scripted {
     fn count(&self, hook: &str) {
+        if let Some(ms) = self.config["call_spin_ms"].as_u64() {
+            let until = host::now_ms() + ms;
+            while host::now_ms() < until {}
+        }
+        if let Some(every) = self.config["fault_every"].as_i64().filter(|n| *n > 0) {
+            let n = host::kv_incr("faults", 1, 0).unwrap_or(0);
+            if n % every == 0 {
+                panic!("scripted fault on call {n}");
+            }
+        }
         let log = &self.config["log"];
         for _ in 0..log["lines"].as_u64().unwrap_or(0) {
             host::log(host::Level::Info, log["text"].as_str().unwrap_or(""));
@@ -70,6 +83,10 @@ impl Policy for Scripted {
 
     fn init(config: &str) -> Result<Self, String> {
         let config: Value = levee_plugin_sdk::serde_json::from_str(config).map_err(|e| e.to_string())?;
+        if let Some(ms) = config["init_spin_ms"].as_u64() {
+            let until = host::now_ms() + ms;
+            while host::now_ms() < until {}
+        }
         let hooks = config["hooks"]
             .as_array()
             .ok_or("config field `hooks` (a list of hook names) is required")?

@@ -1,0 +1,133 @@
+//! Plugins isolated from each other: a slow `init` runs off the request
+//! path (a call never waits past its own budget for an instance), a plugin
+//! that faults every other call is quarantined by its fault rate and an
+//! operator can lift the quarantine, and a plugin that holds all its
+//! instances busy cannot take another plugin's.
+
+use levee::admin::AdminState;
+use levee::plugins::bindings::Load;
+use levee_tests::{guests, plugin, request, runtime_settings, start};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_init_never_delays_a_call_past_its_budget() {
+    let config = json!({ "hooks": ["admit"], "init_spin_ms": 300, "call_spin_ms": 10 });
+    let mut slow = plugin("slow", guests::SCRIPTED, config);
+    slow.time_budget_ms = 40.0;
+    let good = plugin("good", guests::SCRIPTED, json!({ "hooks": ["admit"], "admit": { "allow": 1 } }));
+    let mut settings = runtime_settings(false);
+    settings.idle_instances = 4;
+    settings.quarantine_after = 1000;
+    let (system, _) = start(vec![slow, good], settings).await.unwrap();
+    let chain = system.policies.snapshot();
+    // Twelve calls at once (each takes 10 ms): the one warm instance serves
+    // one at a time; the others cannot have an instance within their 40 ms
+    // (init takes 300 ms): each is a fault answered by `on-fault = open`,
+    // within its budget.
+    let calls = (0..12).map(|_| {
+        let chain = chain.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let outcome = chain.admit(&request("acme", "hi"), &Load::default()).await;
+            (outcome, started.elapsed())
+        })
+    });
+    let results = futures::future::join_all(calls).await;
+    let slowest = results.iter().map(|r| r.as_ref().unwrap().1).max().unwrap();
+    for result in &results {
+        assert_eq!(result.as_ref().unwrap().0, Ok(Some(1)), "the good plugin still decides");
+    }
+    let faults = chain.plugins()[0].stats.total_faults();
+    println!("12 calls beside a 300 ms init: slowest {slowest:?}, {faults} faults");
+    assert!(slowest < Duration::from_millis(250), "a call waited {slowest:?} for a slow init");
+    assert!(faults >= 1, "calls without an instance count as the plugin's faults");
+    assert_eq!(chain.plugins()[1].stats.total_faults(), 0, "the good plugin is never charged");
+    // In the background the pool is warmed: later calls find instances.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(chain.plugins()[0].idle_instances() >= 2, "the pool was not warmed");
+    let before = chain.plugins()[0].stats.total_faults();
+    for _ in 0..2 {
+        assert_eq!(chain.admit(&request("acme", "hi"), &Load::default()).await, Ok(Some(1)));
+    }
+    assert_eq!(chain.plugins()[0].stats.total_faults(), before, "warm instances serve without faults");
+}
+
+#[tokio::test]
+async fn a_plugin_that_faults_every_other_call_is_quarantined_and_an_operator_can_lift_it() {
+    let flaky = plugin("flaky", guests::SCRIPTED, json!({ "hooks": ["admit"], "fault_every": 2 }));
+    let (system, _) = start(vec![flaky], runtime_settings(false)).await.unwrap();
+    let chain = system.policies.snapshot();
+    let stats = chain.plugins()[0].stats.clone();
+    let mut calls = 0;
+    while !stats.quarantined() && calls < 100 {
+        let _ = chain.admit(&request("acme", "hi"), &Load::default()).await;
+        calls += 1;
+    }
+    println!("quarantined after {calls} calls, {} faults", stats.total_faults());
+    assert!(stats.quarantined(), "never quarantined in {calls} calls");
+    assert!(calls <= 21, "quarantined only after {calls} calls");
+
+    // The admin route lifts it.
+    let admin = AdminState {
+        policies: system.policies.clone(),
+        reloader: system.reloader.clone(),
+        token: Some(Arc::from("s3cret")),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let serving = levee::listener::Serving {
+        header_read_timeout: Duration::from_secs(15),
+        write_timeout: Duration::from_secs(30),
+        max_connections: 64,
+        grace: Duration::ZERO,
+        stats: Arc::default(),
+    };
+    let router = levee::admin::router(admin);
+    tokio::spawn(async move {
+        levee::listener::serve(listener, router, serving, std::future::pending(), || {}, || {}).await
+    });
+    let http = reqwest::Client::new();
+    let missing =
+        http.post(format!("{base}/admin/plugins/nope/lift-quarantine")).bearer_auth("s3cret").send().await.unwrap();
+    assert_eq!(missing.status(), 404);
+    let lifted =
+        http.post(format!("{base}/admin/plugins/flaky/lift-quarantine")).bearer_auth("s3cret").send().await.unwrap();
+    assert_eq!(lifted.status(), 200);
+    let body: serde_json::Value = lifted.json().await.unwrap();
+    assert_eq!(body["was_quarantined"], true);
+    assert!(!stats.quarantined());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_holding_all_its_instances_cannot_take_another_plugins() {
+    let mut hog = plugin("hog", guests::SPIN, json!({}));
+    hog.time_budget_ms = 300.0;
+    hog.max_instances = 2;
+    let good = plugin("good", guests::SCRIPTED, json!({ "hooks": ["admit"], "admit": { "allow": 1 } }));
+    let mut settings = runtime_settings(false);
+    // Room for six instances in all: without per-plugin shares the hog's
+    // eight spinning calls would take every one.
+    settings.max_instances = 6;
+    settings.idle_instances = 1;
+    settings.quarantine_after = 1000;
+    let (system, _) = start(vec![hog, good], settings).await.unwrap();
+    let chain = system.policies.snapshot();
+    let (hog, good) = (chain.plugins()[0].clone(), chain.plugins()[1].clone());
+    let spinning: Vec<_> = (0..8)
+        .map(|_| {
+            let hog = hog.clone();
+            tokio::spawn(async move { hog.admit(&request("acme", "hi"), &Load::default()).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for _ in 0..5 {
+        let answer = good.admit(&request("acme", "hi"), &Load::default()).await;
+        assert!(answer.is_ok(), "the good plugin faulted beside the hog: {answer:?}");
+    }
+    for call in spinning {
+        assert!(call.await.unwrap().is_err(), "every hog call faults");
+    }
+    assert_eq!(good.stats.total_faults(), 0);
+}
