@@ -415,6 +415,48 @@ pub struct PluginConfig {
     /// `plugin-runtime.max-instances`); calls past it wait within their budget.
     #[serde(default = "default_plugin_instances")]
     pub max_instances: usize,
+    /// Bytes of the plugin's key-value entries (keys, values and 64 bytes
+    /// an entry); past it its least recently used entries go, and a single
+    /// larger entry is refused.
+    #[serde(default = "default_kv_max_bytes")]
+    pub kv_max_bytes: u64,
+    /// Token buckets the plugin may hold (least recently used go first).
+    #[serde(default = "default_max_buckets")]
+    pub max_buckets: u64,
+    /// Vector namespaces the plugin may hold (least recently used go first).
+    #[serde(default = "default_vector_max_namespaces")]
+    pub vector_max_namespaces: usize,
+    /// Bytes of all the plugin's vector namespaces together.
+    #[serde(default = "default_vector_max_bytes")]
+    pub vector_max_bytes: usize,
+}
+
+fn default_kv_max_bytes() -> u64 {
+    crate::capabilities::PluginBounds::default().kv_bytes
+}
+
+fn default_max_buckets() -> u64 {
+    crate::capabilities::PluginBounds::default().buckets
+}
+
+fn default_vector_max_namespaces() -> usize {
+    crate::capabilities::PluginBounds::default().vector_namespaces
+}
+
+fn default_vector_max_bytes() -> usize {
+    crate::capabilities::PluginBounds::default().vector_bytes
+}
+
+impl PluginConfig {
+    /// What the plugin may hold in the host's stores.
+    pub fn bounds(&self) -> crate::capabilities::PluginBounds {
+        crate::capabilities::PluginBounds {
+            kv_bytes: self.kv_max_bytes,
+            buckets: self.max_buckets,
+            vector_namespaces: self.vector_max_namespaces,
+            vector_bytes: self.vector_max_bytes,
+        }
+    }
 }
 
 fn default_plugin_instances() -> usize {
@@ -668,6 +710,22 @@ impl Config {
             }
             if !names.insert(plugin.name.as_str()) {
                 return Err(ConfigError::Invalid(format!("plugins[{i}].name {:?} is used twice", plugin.name)));
+            }
+            let bounds_ok = (1024..=1 << 40).contains(&plugin.kv_max_bytes)
+                && (1..=100_000_000).contains(&plugin.max_buckets)
+                && (1..=1_000_000).contains(&plugin.vector_max_namespaces)
+                && (1024..=1 << 40).contains(&plugin.vector_max_bytes);
+            if !bounds_ok {
+                return Err(ConfigError::Invalid(format!(
+                    "plugins[{i}] ({}): kv-max-bytes and vector-max-bytes must be between 1 KiB and 1 TiB, \
+                     max-buckets between 1 and 100000000, vector-max-namespaces between 1 and 1000000; \
+                     got {}, {}, {}, {}",
+                    plugin.name,
+                    plugin.kv_max_bytes,
+                    plugin.vector_max_bytes,
+                    plugin.max_buckets,
+                    plugin.vector_max_namespaces
+                )));
             }
             if plugin.max_instances == 0 || plugin.max_instances > runtime.max_instances as usize {
                 return Err(ConfigError::Invalid(format!(

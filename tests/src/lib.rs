@@ -30,6 +30,10 @@ pub fn plugin(name: &str, path: impl Into<PathBuf>, config: serde_json::Value) -
         memory_mib: 64,
         log_lines_per_sec: 20.0,
         max_instances: 16,
+        kv_max_bytes: 64 << 20,
+        max_buckets: 100_000,
+        vector_max_namespaces: 64,
+        vector_max_bytes: 256 << 20,
     }
 }
 

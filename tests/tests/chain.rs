@@ -91,7 +91,7 @@ async fn every_hook_is_called_and_decisions_compose() {
 
     // Host imports: `first` counted its calls in the shared key-value store and its metrics.
     for hook in all {
-        assert_eq!(caps.kv.get(&format!("first:calls:{hook}")).as_deref(), Some(&b"1"[..]), "{hook}");
+        assert_eq!(caps.kv_get(&format!("first:calls:{hook}")).await.unwrap().as_deref(), Some(&b"1"[..]), "{hook}");
     }
     let mut metrics = String::new();
     caps.metrics.render(&mut metrics);

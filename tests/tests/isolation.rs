@@ -131,3 +131,58 @@ async fn a_plugin_holding_all_its_instances_cannot_take_another_plugins() {
     }
     assert_eq!(good.stats.total_faults(), 0);
 }
+
+#[tokio::test]
+async fn one_plugins_floods_of_keys_bytes_and_buckets_touch_no_other_plugins_state() {
+    // The innocent plugin: one request per tenant, from a bucket of one token.
+    let innocent = plugin(
+        "innocent",
+        guests::SCRIPTED,
+        json!({ "hooks": ["admit"], "bucket": { "capacity": 1, "refill": 0.0001 }, "count": true }),
+    );
+    let mut bytes = plugin("bytes", guests::SCRIPTED, json!({ "hooks": ["admit"], "kv_set_bytes": 64 << 10 }));
+    bytes.kv_max_bytes = 1 << 20;
+    let mut buckets = plugin("buckets", guests::SCRIPTED, json!({ "hooks": ["admit"], "bucket_flood": 500 }));
+    buckets.max_buckets = 1000;
+    let (system, caps) = start(vec![innocent, bytes, buckets], runtime_settings(false)).await.unwrap();
+    let chain = system.policies.snapshot();
+    let (innocent, bytes, buckets) = (&chain.plugins()[0], &chain.plugins()[1], &chain.plugins()[2]);
+    let load = Load::default();
+    assert_eq!(
+        innocent
+            .admit(&request("acme", "hi"), &load)
+            .await
+            .map(|a| matches!(a, levee::plugins::bindings::Admission::Allow(_))),
+        Ok(true)
+    );
+    assert!(
+        matches!(
+            innocent.admit(&request("acme", "hi"), &load).await,
+            Ok(levee::plugins::bindings::Admission::Reject(_))
+        ),
+        "the bucket is exhausted"
+    );
+
+    // 100 values of 64 KiB (6.4 MiB) into a 1 MiB bound; 20,000 buckets into a bound of 1,000.
+    for _ in 0..100 {
+        bytes.admit(&request("acme", "hi"), &load).await.unwrap();
+    }
+    for _ in 0..40 {
+        buckets.admit(&request("acme", "hi"), &load).await.unwrap();
+    }
+    let held = caps.local_kv("bytes:").bytes();
+    println!("6.4 MiB written into a 1 MiB bound: {held} bytes held");
+    assert!(held <= 1 << 20, "the plugin holds {held} bytes");
+    // The innocent plugin's bucket is still exhausted, its keys still there.
+    assert!(
+        matches!(
+            innocent.admit(&request("acme", "hi"), &load).await,
+            Ok(levee::plugins::bindings::Admission::Reject(_))
+        ),
+        "the innocent plugin's exhausted bucket was reset"
+    );
+    assert_eq!(caps.kv_get("innocent:calls:admit").await.unwrap().as_deref(), Some(&b"3"[..]));
+    assert_eq!(innocent.stats.total_faults() + bytes.stats.total_faults() + buckets.stats.total_faults(), 0);
+    // A single entry over the plugin's whole bound is refused, not stored.
+    assert!(caps.kv_set("bytes:huge", vec![0; 2 << 20], 0).await.unwrap_err().contains("kv-max-bytes"));
+}

@@ -1,4 +1,4 @@
-//! The local key-value store: bounded, with per-entry TTL and atomic increment.
+//! The local key-value store: bounded in bytes, with per-entry TTL and atomic increment.
 
 use moka::Expiry;
 use moka::sync::Cache;
@@ -28,9 +28,18 @@ impl Expiry<String, Entry> for EntryExpiry {
     }
 }
 
-/// An in-process key-value store, bounded in entries.
+/// An in-process key-value store, bounded in bytes (keys, values and what
+/// each entry costs besides); one per plugin.
 pub struct LocalKv {
     entries: Cache<String, Entry>,
+}
+
+/// What one entry costs besides its key and value.
+const ENTRY_OVERHEAD: usize = 64;
+
+/// The bytes `key` with `value` counts for against a bound.
+pub fn entry_bytes(key: &str, value: &[u8]) -> usize {
+    key.len() + value.len() + ENTRY_OVERHEAD
 }
 
 fn expiry(now: Instant, ttl_ms: u64) -> Option<Instant> {
@@ -38,9 +47,16 @@ fn expiry(now: Instant, ttl_ms: u64) -> Option<Instant> {
 }
 
 impl LocalKv {
-    /// A store holding at most `max_entries` keys (least recently used go first).
-    pub fn new(max_entries: u64) -> Self {
-        Self { entries: Cache::builder().max_capacity(max_entries).expire_after(EntryExpiry).build() }
+    /// A store holding at most `max_bytes` (least recently used go first).
+    pub fn new(max_bytes: u64) -> Self {
+        let weigh = |key: &String, entry: &Entry| u32::try_from(entry_bytes(key, &entry.value)).unwrap_or(u32::MAX);
+        Self { entries: Cache::builder().max_capacity(max_bytes).weigher(weigh).expire_after(EntryExpiry).build() }
+    }
+
+    /// Bytes held (after pending evictions are applied).
+    pub fn bytes(&self) -> u64 {
+        self.entries.run_pending_tasks();
+        self.entries.weighted_size()
     }
 
     /// The live value of `key`.
@@ -92,7 +108,7 @@ mod tests {
 
     #[test]
     fn incr_is_atomic_across_threads() {
-        let kv = std::sync::Arc::new(LocalKv::new(100));
+        let kv = std::sync::Arc::new(LocalKv::new(1 << 20));
         let threads: Vec<_> = (0..4)
             .map(|_| {
                 let kv = kv.clone();
@@ -109,7 +125,7 @@ mod tests {
 
     #[test]
     fn values_expire_and_non_integers_refuse_incr() {
-        let kv = LocalKv::new(100);
+        let kv = LocalKv::new(1 << 20);
         kv.set("short", b"x".to_vec(), 1);
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(kv.get("short"), None);

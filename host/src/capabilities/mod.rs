@@ -2,7 +2,9 @@
 //! embeddings, vectors and custom metrics.
 //!
 //! Each capability is shared by every instance of every plugin; keys are
-//! namespaced by plugin name before they reach a store. With
+//! namespaced by plugin name before they reach a store, and each plugin's
+//! local state lives in stores of its own, within its own bounds
+//! ([`PluginBounds`]). With
 //! `[shared-state] backend = "redis"`, key-value, buckets and vector inserts
 //! go through Redis so that replicas share them; searches stay local, over
 //! an index that follows the other replicas' inserts.
@@ -23,12 +25,60 @@ pub trait Embedder: Send + Sync {
     fn embed(&self, text: &str) -> Result<Vec<f32>, String>;
 }
 
-/// Everything plugins can call, shared by all of them.
-pub struct Capabilities {
-    /// Key-value store with TTL and atomic increment.
-    pub kv: kv::LocalKv,
+/// What one plugin may hold in the host's stores (its `[[plugins]]`
+/// entry): its stores are its own, so no plugin's activity can evict or
+/// reset another's state.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PluginBounds {
+    /// Key-value bytes (keys, values and 64 bytes an entry).
+    pub kv_bytes: u64,
     /// Token buckets.
-    pub buckets: bucket::LocalBuckets,
+    pub buckets: u64,
+    /// Vector namespaces held at once.
+    pub vector_namespaces: usize,
+    /// Bytes of all its vector namespaces together.
+    pub vector_bytes: usize,
+}
+
+impl Default for PluginBounds {
+    fn default() -> Self {
+        Self { kv_bytes: 64 << 20, buckets: 100_000, vector_namespaces: 64, vector_bytes: 256 << 20 }
+    }
+}
+
+/// One store per plugin, made on first use with the plugin's bound (and
+/// made anew, empty, when the bound changes).
+struct PerPlugin<T> {
+    stores: std::sync::Mutex<std::collections::HashMap<String, (u64, Arc<T>)>>,
+}
+
+impl<T> Default for PerPlugin<T> {
+    fn default() -> Self {
+        Self { stores: Default::default() }
+    }
+}
+
+impl<T> PerPlugin<T> {
+    fn get(&self, plugin: &str, bound: u64, make: impl FnOnce(u64) -> T) -> Arc<T> {
+        let mut stores = self.stores.lock().unwrap_or_else(|p| p.into_inner());
+        match stores.get(plugin) {
+            Some((b, store)) if *b == bound => store.clone(),
+            _ => {
+                let store = Arc::new(make(bound));
+                stores.insert(plugin.to_string(), (bound, store.clone()));
+                store
+            }
+        }
+    }
+}
+
+/// Everything plugins can call, shared by all of them; keys arrive as
+/// `plugin:key`, and each plugin's key-value entries and buckets live in
+/// stores of its own.
+pub struct Capabilities {
+    kv: PerPlugin<kv::LocalKv>,
+    buckets: PerPlugin<bucket::LocalBuckets>,
+    bounds: std::sync::RwLock<std::collections::HashMap<String, PluginBounds>>,
     /// Vector stores by namespace.
     pub vectors: vectors::LocalVectors,
     /// Custom metrics by plugin.
@@ -43,8 +93,9 @@ impl Capabilities {
     /// In-process stores with default bounds and no embedding model.
     pub fn local() -> Self {
         Self {
-            kv: kv::LocalKv::new(1_000_000),
-            buckets: bucket::LocalBuckets::new(1_000_000),
+            kv: PerPlugin::default(),
+            buckets: PerPlugin::default(),
+            bounds: Default::default(),
             vectors: vectors::LocalVectors::new(vectors::Bounds::default()),
             metrics: metrics::PluginMetrics::default(),
             embedder: None,
@@ -67,6 +118,30 @@ impl Capabilities {
                 }
             });
         }
+    }
+
+    /// Sets `plugin`'s bounds (on every load of it).
+    pub fn set_plugin_bounds(&self, plugin: &str, bounds: PluginBounds) {
+        self.bounds.write().unwrap_or_else(|p| p.into_inner()).insert(plugin.to_string(), bounds);
+        self.vectors.set_owner_bounds(plugin, bounds.vector_namespaces, bounds.vector_bytes);
+    }
+
+    /// The bounds of the plugin that owns `key` (`plugin:…`).
+    fn bounds_of<'k>(&self, key: &'k str) -> (&'k str, PluginBounds) {
+        let plugin = vectors::owner(key);
+        let bounds = self.bounds.read().unwrap_or_else(|p| p.into_inner()).get(plugin).copied().unwrap_or_default();
+        (plugin, bounds)
+    }
+
+    /// The local key-value store of the plugin that owns `key`.
+    pub fn local_kv(&self, key: &str) -> Arc<kv::LocalKv> {
+        let (plugin, bounds) = self.bounds_of(key);
+        self.kv.get(plugin, bounds.kv_bytes, kv::LocalKv::new)
+    }
+
+    fn local_buckets(&self, key: &str) -> Arc<bucket::LocalBuckets> {
+        let (plugin, bounds) = self.bounds_of(key);
+        self.buckets.get(plugin, bounds.buckets, bucket::LocalBuckets::new)
     }
 
     /// Applies the outage rule: `Ok` means "serve it locally".
@@ -94,18 +169,26 @@ impl Capabilities {
                 Err(failure) => self.on_failure(shared, failure)?,
             }
         }
-        Ok(self.kv.get(key))
+        Ok(self.local_kv(key).get(key))
     }
 
     /// Stores `value` for `ttl_ms` (0 = no expiry).
     pub async fn kv_set(&self, key: &str, value: Vec<u8>, ttl_ms: u64) -> Result<(), String> {
+        let (plugin, bounds) = self.bounds_of(key);
+        let bytes = kv::entry_bytes(key, &value);
+        if bytes as u64 > bounds.kv_bytes {
+            return Err(format!(
+                "a key-value entry of {bytes} bytes is more than plugin {plugin}'s kv-max-bytes of {}",
+                bounds.kv_bytes
+            ));
+        }
         if let Some(shared) = &self.shared {
             match shared.kv_set(key, &value, ttl_ms).await {
                 Ok(()) => return Ok(()),
                 Err(failure) => self.on_failure(shared, failure)?,
             }
         }
-        self.kv.set(key, value, ttl_ms);
+        self.local_kv(key).set(key, value, ttl_ms);
         Ok(())
     }
 
@@ -117,7 +200,7 @@ impl Capabilities {
                 Err(failure) => self.on_failure(shared, failure)?,
             }
         }
-        self.kv.incr(key, delta, ttl_ms)
+        self.local_kv(key).incr(key, delta, ttl_ms)
     }
 
     /// Removes `key`.
@@ -128,7 +211,7 @@ impl Capabilities {
                 Err(failure) => self.on_failure(shared, failure)?,
             }
         }
-        self.kv.delete(key);
+        self.local_kv(key).delete(key);
         Ok(())
     }
 
@@ -141,7 +224,7 @@ impl Capabilities {
                 Err(failure) => self.on_failure(shared, failure)?,
             }
         }
-        self.buckets.take(key, capacity, refill_per_sec, cost)
+        self.local_buckets(key).take(key, capacity, refill_per_sec, cost)
     }
 
     /// Stores `vector` with `payload` for `ttl_ms` here and, with Redis, for every replica.

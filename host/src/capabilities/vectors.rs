@@ -19,11 +19,11 @@ use std::time::{Duration, Instant};
 pub struct Bounds {
     /// Entries per namespace.
     pub max_entries: usize,
-    /// Bytes (vectors + payloads) per namespace.
+    /// Bytes (vectors, payloads and what each entry costs) per namespace.
     pub max_bytes: usize,
-    /// Namespaces held at once.
+    /// Namespaces one plugin holds at once (unless it has its own bound).
     pub max_namespaces: usize,
-    /// Bytes held by all namespaces together.
+    /// Bytes one plugin's namespaces hold together (unless it has its own bound).
     pub max_total_bytes: usize,
 }
 
@@ -49,9 +49,13 @@ struct Entry {
     last_used: u64,
 }
 
+/// What one entry costs besides its vector and payload: the entry itself,
+/// two heap allocations and its sign-bit code.
+const ENTRY_OVERHEAD: usize = 128;
+
 impl Entry {
     fn bytes(&self) -> usize {
-        self.vector.len() * 4 + self.payload.len()
+        self.vector.len() * 4 + self.payload.len() + ENTRY_OVERHEAD
     }
 
     fn live(&self, now: Instant) -> bool {
@@ -139,10 +143,19 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// Vector stores by namespace.
+/// Vector stores by namespace. A namespace `plugin:name` belongs to its
+/// plugin: the count and byte bounds hold per plugin, and making room
+/// evicts only that plugin's namespaces.
 pub struct LocalVectors {
     bounds: Bounds,
     namespaces: Mutex<HashMap<String, Namespace>>,
+    /// `(namespaces, bytes)` of plugins with their own bounds.
+    owners: Mutex<HashMap<String, (usize, usize)>>,
+}
+
+/// The plugin a namespace belongs to (its name up to the first `:`).
+pub fn owner(namespace: &str) -> &str {
+    namespace.split_once(':').map_or(namespace, |(owner, _)| owner)
 }
 
 fn unit(vector: &[f32]) -> Result<Vec<f32>, String> {
@@ -156,29 +169,41 @@ fn unit(vector: &[f32]) -> Result<Vec<f32>, String> {
 impl LocalVectors {
     /// Empty stores with `bounds` per namespace.
     pub fn new(bounds: Bounds) -> Self {
-        Self { bounds, namespaces: Mutex::new(HashMap::new()) }
+        Self { bounds, namespaces: Mutex::new(HashMap::new()), owners: Mutex::new(HashMap::new()) }
+    }
+
+    /// Gives `plugin` its own bounds: namespaces held at once and their bytes together.
+    pub fn set_owner_bounds(&self, plugin: &str, namespaces: usize, bytes: usize) {
+        self.owners.lock().unwrap_or_else(|p| p.into_inner()).insert(plugin.to_string(), (namespaces, bytes));
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Namespace>> {
         self.namespaces.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Evicts whole namespaces other than `namespace`, least recently used
-    /// first, until a new namespace fits the count and `incoming` bytes fit
-    /// the total.
+    /// Evicts whole namespaces of the same plugin other than `namespace`,
+    /// least recently used first, until a new namespace fits the plugin's
+    /// count and `incoming` bytes fit its total. Other plugins' namespaces
+    /// are never touched.
     fn make_room(&self, namespaces: &mut HashMap<String, Namespace>, namespace: &str, incoming: usize) {
+        let plugin = owner(namespace);
+        let (max_namespaces, max_bytes) = self
+            .owners
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(plugin)
+            .copied()
+            .unwrap_or((self.bounds.max_namespaces, self.bounds.max_total_bytes));
         let is_new = !namespaces.contains_key(namespace);
         loop {
-            let total: usize = namespaces.values().map(|n| n.bytes).sum();
-            let over_count = is_new && namespaces.len() >= self.bounds.max_namespaces;
-            if !over_count && total + incoming <= self.bounds.max_total_bytes {
+            let mine = || namespaces.iter().filter(|(name, _)| owner(name) == plugin);
+            let total: usize = mine().map(|(_, n)| n.bytes).sum();
+            let over_count = is_new && mine().count() >= max_namespaces;
+            if !over_count && total + incoming <= max_bytes {
                 return;
             }
-            let victim = namespaces
-                .iter()
-                .filter(|(name, _)| *name != namespace)
-                .min_by_key(|(_, n)| n.touched)
-                .map(|(k, _)| k.clone());
+            let victim =
+                mine().filter(|(name, _)| *name != namespace).min_by_key(|(_, n)| n.touched).map(|(k, _)| k.clone());
             match victim {
                 Some(name) => {
                     namespaces.remove(&name);
@@ -296,25 +321,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn namespaces_are_bounded_in_number_and_bytes_least_recently_used_first() {
+    fn namespaces_are_bounded_in_number_and_bytes_per_plugin_least_recently_used_first() {
         let store = LocalVectors::new(Bounds { max_namespaces: 2, ..Bounds::default() });
-        store.insert("a", &[1.0, 0.0], b"a".to_vec(), 0).unwrap();
+        store.insert("p:a", &[1.0, 0.0], b"a".to_vec(), 0).unwrap();
         std::thread::sleep(Duration::from_millis(2));
-        store.insert("b", &[1.0, 0.0], b"b".to_vec(), 0).unwrap();
+        store.insert("p:b", &[1.0, 0.0], b"b".to_vec(), 0).unwrap();
         std::thread::sleep(Duration::from_millis(2));
-        assert_eq!(store.search("a", &[1.0, 0.0], 1, 0.0).unwrap().len(), 1, "a search touches `a`");
-        store.insert("c", &[1.0, 0.0], b"c".to_vec(), 0).unwrap();
-        assert_eq!(store.len("b"), 0, "`b` was the least recently used");
-        assert_eq!((store.len("a"), store.len("c")), (1, 1));
+        assert_eq!(store.search("p:a", &[1.0, 0.0], 1, 0.0).unwrap().len(), 1, "a search touches `a`");
+        // Another plugin's namespaces count against its own bound only.
+        for i in 0..10 {
+            store.insert(&format!("q:{i}"), &[1.0, 0.0], b"q".to_vec(), 0).unwrap();
+        }
+        assert_eq!((store.len("p:a"), store.len("p:b")), (1, 1), "q's flood evicted nothing of p's");
+        store.insert("p:c", &[1.0, 0.0], b"c".to_vec(), 0).unwrap();
+        assert_eq!(store.len("p:b"), 0, "`b` was the least recently used");
+        assert_eq!((store.len("p:a"), store.len("p:c")), (1, 1));
 
-        // Two 2-dimensional entries with 1-byte payloads fit; a third evicts the oldest namespace.
-        let store = LocalVectors::new(Bounds { max_total_bytes: 20, ..Bounds::default() });
-        store.insert("x", &[1.0, 0.0], b"x".to_vec(), 0).unwrap();
+        // Two 2-dimensional entries with 1-byte payloads (137 bytes each with
+        // their overhead) fit; a third evicts the plugin's oldest namespace.
+        let store = LocalVectors::new(Bounds::default());
+        store.set_owner_bounds("p", 1024, 280);
+        store.insert("p:x", &[1.0, 0.0], b"x".to_vec(), 0).unwrap();
         std::thread::sleep(Duration::from_millis(2));
-        store.insert("y", &[1.0, 0.0], b"y".to_vec(), 0).unwrap();
+        store.insert("p:y", &[1.0, 0.0], b"y".to_vec(), 0).unwrap();
         std::thread::sleep(Duration::from_millis(2));
-        store.insert("z", &[1.0, 0.0], b"z".to_vec(), 0).unwrap();
-        assert_eq!((store.len("x"), store.len("y"), store.len("z")), (0, 1, 1));
+        store.insert("p:z", &[1.0, 0.0], b"z".to_vec(), 0).unwrap();
+        assert_eq!((store.len("p:x"), store.len("p:y"), store.len("p:z")), (0, 1, 1));
     }
 
     #[test]

@@ -138,6 +138,7 @@ impl PluginRuntime {
             max_hit_bytes: self.settings.max_hit_bytes,
             max_instances: config.max_instances,
         };
+        self.caps.set_plugin_bounds(&config.name, config.bounds());
         LoadedPlugin::start(config.clone(), version, pre, self.engine.clone(), self.caps.clone(), settings, stats)
             .await
             .map_err(|message| PluginError::Init { name: config.name.clone(), message })

@@ -17,7 +17,9 @@
 //! With `log`, every call writes `lines` log lines of `text`. With
 //! `"init_spin_ms": N`, `init` spins N milliseconds (by the host clock)
 //! before answering, and with `"call_spin_ms": N` every hook call does. With `"fault_every": N`, every Nth hook call (counted
-//! in the host key `faults`) traps.
+//! in the host key `faults`) traps. With `"kv_set_bytes": N`, every call
+//! stores a new N-byte value; with `"bucket_flood": N`, every call takes
+//! from N new token buckets.
 //!
 //! With `bucket`, `admit` takes one token from the host's bucket of the
 //! request's tenant. With `count`, every call adds one to the host key
@@ -59,6 +61,14 @@ impl Scripted {
         if let Some(ms) = self.config["call_spin_ms"].as_u64() {
             let until = host::now_ms() + ms;
             while host::now_ms() < until {}
+        }
+        if let Some(bytes) = self.config["kv_set_bytes"].as_u64() {
+            let n = host::kv_incr("sets", 1, 0).unwrap_or(0);
+            let _ = host::kv_set(&format!("big:{n}"), &vec![7u8; bytes as usize], 0);
+        }
+        for i in 0..self.config["bucket_flood"].as_u64().unwrap_or(0) {
+            let n = host::kv_incr("buckets", 1, 0).unwrap_or(0);
+            let _ = host::token_bucket(&format!("flood:{n}:{i}"), 1.0, 0.0, 1.0);
         }
         if let Some(every) = self.config["fault_every"].as_i64().filter(|n| *n > 0) {
             let n = host::kv_incr("faults", 1, 0).unwrap_or(0);
