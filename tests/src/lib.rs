@@ -155,6 +155,30 @@ impl TestServer {
     }
 }
 
+/// Serves the admin routes of `system` behind `token` on a loopback port;
+/// returns `http://127.0.0.1:PORT`.
+pub async fn serve_admin(system: &PluginSystem, token: &str) -> String {
+    let admin = levee::admin::AdminState {
+        policies: system.policies.clone(),
+        reloader: system.reloader.clone(),
+        token: Some(Arc::from(token)),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a loopback port");
+    let base = format!("http://{}", listener.local_addr().expect("local address"));
+    let serving = levee::listener::Serving {
+        header_read_timeout: std::time::Duration::from_secs(15),
+        write_timeout: std::time::Duration::from_secs(30),
+        max_connections: 64,
+        grace: std::time::Duration::ZERO,
+        stats: Arc::default(),
+    };
+    let router = levee::admin::router(admin);
+    tokio::spawn(async move {
+        levee::listener::serve(listener, router, serving, std::future::pending(), || {}, || {}).await
+    });
+    base
+}
+
 /// Serialises the tests that run the model, so that two engines never
 /// share this machine's cores.
 pub async fn exclusive() -> tokio::sync::MutexGuard<'static, ()> {

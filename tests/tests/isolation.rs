@@ -4,11 +4,9 @@
 //! operator can lift the quarantine, and a plugin that holds all its
 //! instances busy cannot take another plugin's.
 
-use levee::admin::AdminState;
 use levee::plugins::bindings::Load;
 use levee_tests::{guests, plugin, request, runtime_settings, start};
 use serde_json::json;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -70,24 +68,7 @@ async fn a_plugin_that_faults_every_other_call_is_quarantined_and_an_operator_ca
     assert!(calls <= 21, "quarantined only after {calls} calls");
 
     // The admin route lifts it.
-    let admin = AdminState {
-        policies: system.policies.clone(),
-        reloader: system.reloader.clone(),
-        token: Some(Arc::from("s3cret")),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let serving = levee::listener::Serving {
-        header_read_timeout: Duration::from_secs(15),
-        write_timeout: Duration::from_secs(30),
-        max_connections: 64,
-        grace: Duration::ZERO,
-        stats: Arc::default(),
-    };
-    let router = levee::admin::router(admin);
-    tokio::spawn(async move {
-        levee::listener::serve(listener, router, serving, std::future::pending(), || {}, || {}).await
-    });
+    let base = levee_tests::serve_admin(&system, "s3cret").await;
     let http = reqwest::Client::new();
     let missing =
         http.post(format!("{base}/admin/plugins/nope/lift-quarantine")).bearer_auth("s3cret").send().await.unwrap();

@@ -2,7 +2,6 @@
 //! broken replacement that leaves the old version serving, and the admin
 //! routes that list and reload the chain.
 
-use levee::admin::{self, AdminState};
 use levee::plugins::bindings::Load;
 use levee_tests::{guests, plugin, request, runtime_settings, start};
 use serde_json::json;
@@ -133,24 +132,7 @@ async fn admin_routes_list_and_reload_behind_the_token() {
     let path = dir.join("policy.wasm");
     replace(&path, guests::VERSION_1);
     let (system, caps) = start(vec![plugin("versioned", &path, json!({}))], runtime_settings(false)).await.unwrap();
-    let admin = AdminState {
-        policies: system.policies.clone(),
-        reloader: system.reloader.clone(),
-        token: Some(Arc::from("s3cret")),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let serving = levee::listener::Serving {
-        header_read_timeout: Duration::from_secs(15),
-        write_timeout: Duration::from_secs(30),
-        max_connections: 64,
-        grace: Duration::ZERO,
-        stats: Arc::default(),
-    };
-    let router = admin::router(admin);
-    tokio::spawn(async move {
-        levee::listener::serve(listener, router, serving, std::future::pending(), || {}, || {}).await
-    });
+    let base = levee_tests::serve_admin(&system, "s3cret").await;
     let http = reqwest::Client::new();
 
     let anonymous = http.get(format!("{base}/admin/plugins")).send().await.unwrap();
