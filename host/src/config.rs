@@ -700,6 +700,14 @@ impl Config {
             }
         }
         let mut names = std::collections::HashSet::new();
+        let shares: usize = self.plugins.iter().map(|p| p.max_instances).sum();
+        if shares > runtime.max_instances as usize {
+            return Err(ConfigError::Invalid(format!(
+                "the plugins' max-instances add up to {shares}, more than plugin-runtime.max-instances ({}): \
+                 raise it or lower their shares, so that each plugin can always have its own",
+                runtime.max_instances
+            )));
+        }
         for (i, plugin) in self.plugins.iter().enumerate() {
             if plugin.name.is_empty() || !plugin.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
             {

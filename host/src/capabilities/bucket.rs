@@ -62,7 +62,13 @@ pub struct LocalBuckets {
 impl LocalBuckets {
     /// At most `max_buckets` buckets.
     pub fn new(max_buckets: u64) -> Self {
-        Self { buckets: Cache::builder().max_capacity(max_buckets).time_to_idle(Duration::from_secs(3600)).build() }
+        Self {
+            buckets: Cache::builder()
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
+                .max_capacity(max_buckets)
+                .time_to_idle(Duration::from_secs(3600))
+                .build(),
+        }
     }
 
     /// Takes `cost` from bucket `key` atomically.

@@ -50,7 +50,14 @@ impl LocalKv {
     /// A store holding at most `max_bytes` (least recently used go first).
     pub fn new(max_bytes: u64) -> Self {
         let weigh = |key: &String, entry: &Entry| u32::try_from(entry_bytes(key, &entry.value)).unwrap_or(u32::MAX);
-        Self { entries: Cache::builder().max_capacity(max_bytes).weigher(weigh).expire_after(EntryExpiry).build() }
+        Self {
+            entries: Cache::builder()
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
+                .max_capacity(max_bytes)
+                .weigher(weigh)
+                .expire_after(EntryExpiry)
+                .build(),
+        }
     }
 
     /// Bytes held (after pending evictions are applied).

@@ -185,15 +185,15 @@ impl LocalVectors {
     /// least recently used first, until a new namespace fits the plugin's
     /// count and `incoming` bytes fit its total. Other plugins' namespaces
     /// are never touched.
+    /// `(namespaces, bytes)` that `plugin` may hold.
+    fn owner_bounds(&self, plugin: &str) -> (usize, usize) {
+        let owners = self.owners.lock().unwrap_or_else(|p| p.into_inner());
+        owners.get(plugin).copied().unwrap_or((self.bounds.max_namespaces, self.bounds.max_total_bytes))
+    }
+
     fn make_room(&self, namespaces: &mut HashMap<String, Namespace>, namespace: &str, incoming: usize) {
         let plugin = owner(namespace);
-        let (max_namespaces, max_bytes) = self
-            .owners
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(plugin)
-            .copied()
-            .unwrap_or((self.bounds.max_namespaces, self.bounds.max_total_bytes));
+        let (max_namespaces, max_bytes) = self.owner_bounds(plugin);
         let is_new = !namespaces.contains_key(namespace);
         loop {
             let mine = || namespaces.iter().filter(|(name, _)| owner(name) == plugin);
@@ -224,12 +224,10 @@ impl LocalVectors {
             expires_at: (ttl_ms > 0).then(|| now + Duration::from_millis(ttl_ms)),
             last_used: 0,
         };
-        if entry.bytes() > self.bounds.max_bytes {
-            return Err(format!(
-                "entry of {} bytes exceeds the namespace bound of {} bytes",
-                entry.bytes(),
-                self.bounds.max_bytes
-            ));
+        // A namespace holds at most what its plugin may hold in all.
+        let max_bytes = self.bounds.max_bytes.min(self.owner_bounds(owner(namespace)).1);
+        if entry.bytes() > max_bytes {
+            return Err(format!("entry of {} bytes exceeds the namespace bound of {max_bytes} bytes", entry.bytes()));
         }
         let mut namespaces = self.lock();
         self.make_room(&mut namespaces, namespace, entry.bytes());
@@ -245,12 +243,12 @@ impl LocalVectors {
         }
         ns.words = code.len();
         ns.inserts += 1;
-        let full = ns.entries.len() >= self.bounds.max_entries || ns.bytes + entry.bytes() > self.bounds.max_bytes;
+        let full = ns.entries.len() >= self.bounds.max_entries || ns.bytes + entry.bytes() > max_bytes;
         if full || ns.inserts.is_multiple_of(SWEEP_EVERY) {
             ns.sweep(now);
         }
         while !ns.entries.is_empty()
-            && (ns.entries.len() >= self.bounds.max_entries || ns.bytes + entry.bytes() > self.bounds.max_bytes)
+            && (ns.entries.len() >= self.bounds.max_entries || ns.bytes + entry.bytes() > max_bytes)
         {
             let oldest = ns.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).map(|(i, _)| i).unwrap_or(0);
             ns.remove(oldest);
@@ -347,6 +345,15 @@ mod tests {
         std::thread::sleep(Duration::from_millis(2));
         store.insert("p:z", &[1.0, 0.0], b"z".to_vec(), 0).unwrap();
         assert_eq!((store.len("p:x"), store.len("p:y"), store.len("p:z")), (0, 1, 1));
+
+        // One namespace alone is held to its plugin's bound too.
+        let store = LocalVectors::new(Bounds::default());
+        store.set_owner_bounds("p", 1024, 280);
+        for i in 0..10 {
+            store.insert("p:only", &[1.0, 0.0], vec![b'x'], 0).unwrap_or_else(|e| panic!("insert {i}: {e}"));
+        }
+        assert_eq!(store.len("p:only"), 2);
+        assert!(store.insert("p:only", &[1.0, 0.0], vec![0; 1000], 0).unwrap_err().contains("280 bytes"));
     }
 
     #[test]

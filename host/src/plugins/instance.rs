@@ -16,7 +16,7 @@ use crate::config::{Mode, OnFault, PluginConfig};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use wasmtime::{Store, Trap, UpdateDeadline};
 
 /// Extra time granted past the budget before an awaiting host call (e.g. a
@@ -81,7 +81,13 @@ struct Factory {
     /// of the pooling allocator, so that it cannot take another's.
     live: Arc<Semaphore>,
     idle: Arc<Mutex<Vec<Slot>>>,
+    /// Woken when an instance goes back to the idle pool.
+    returned: Arc<Notify>,
     warming: Arc<AtomicBool>,
+    /// Failed warm-up rounds in a row and when the last one ended, for backoff.
+    warm_failures: Arc<Mutex<(u32, Option<Instant>)>>,
+    /// Set when this version leaves the chain: its warmer stops.
+    retired: Arc<AtomicBool>,
 }
 
 /// One version of one plugin, ready to call.
@@ -202,9 +208,10 @@ fn validate(answer: &Answer, settings: &CallSettings) -> Result<(), Fault> {
             let text: usize = response.choices.iter().map(|c| c.text.len()).sum();
             check_length_of(text, settings.max_hit_bytes, "cache hit text")?;
             if let Some(c) = response.choices.iter().find(|c| !matches!(c.finish_reason.as_str(), "stop" | "length")) {
+                let shown: String = c.finish_reason.chars().take(64).collect();
                 return Err(Fault::Malformed(format!(
                     "cache hit finish-reason must be `stop` or `length`, got {:?}",
-                    c.finish_reason
+                    super::logs::one_line(&shown)
                 )));
             }
             Ok(())
@@ -271,19 +278,24 @@ impl Factory {
         let (plugin, manifest) = match outcome {
             Err(_) => return Err(Fault::Instantiate(format!("init ran past its budget of {budget:?}"))),
             Ok(Err(error)) => {
-                return Err(Fault::Instantiate(match self.classify(&error, &store) {
-                    Fault::Deadline(_) => format!("init ran past its budget of {budget:?}"),
-                    other => other.to_string(),
-                }));
+                return Err(match self.classify(&error, &store) {
+                    Fault::Deadline(_) => Fault::Instantiate(format!("init ran past its budget of {budget:?}")),
+                    Fault::HostBusy(why) => Fault::HostBusy(why),
+                    other => Fault::Instantiate(other.to_string()),
+                });
             }
-            Ok(Ok((_, Err(message)))) => return Err(Fault::Instantiate(format!("init refused: {message}"))),
+            Ok(Ok((_, Err(message)))) => {
+                return Err(Fault::Instantiate(format!("init refused: {}", super::logs::one_line(&message))));
+            }
             Ok(Ok((plugin, Ok(manifest)))) => (plugin, manifest),
         };
         Ok((Slot { store, plugin, _permit: permit }, manifest))
     }
 
     fn classify(&self, error: &wasmtime::Error, store: &Store<PluginState>) -> Fault {
-        if store.data().cap.exceeded {
+        if let Some(full) = error.downcast_ref::<wasmtime::PoolConcurrencyLimitError>() {
+            Fault::HostBusy(full.to_string())
+        } else if store.data().cap.exceeded {
             Fault::OverMemory(self.settings.memory_bytes as u64 >> 20)
         } else if matches!(error.downcast_ref::<Trap>(), Some(Trap::Interrupt)) {
             Fault::Deadline(self.settings.budget)
@@ -301,12 +313,18 @@ impl Factory {
         self.idle.lock().ok()?.pop()
     }
 
+    /// Keeps `slot` for reuse if the pool has room (dropping it otherwise,
+    /// which frees its permit), and wakes a call waiting for an instance.
     fn put_back(&self, slot: Slot) {
+        if self.retired.load(Ordering::Acquire) {
+            return;
+        }
         if let Ok(mut idle) = self.idle.lock()
             && idle.len() < self.settings.max_idle
         {
             idle.push(slot);
         }
+        self.returned.notify_one();
     }
 
     /// Fills the idle pool up to `max_idle` in the background, with `init`
@@ -314,28 +332,52 @@ impl Factory {
     /// path. One warmer per plugin version at a time; a failure counts as a
     /// fault and ends the round.
     fn warm(&self) {
-        if self.settings.max_idle == 0 || self.warming.swap(true, Ordering::AcqRel) {
+        if self.settings.max_idle == 0 || self.retired.load(Ordering::Acquire) {
+            return;
+        }
+        // After failed rounds, wait 1, 2, 4, ... up to 60 seconds before the next.
+        if let Ok(failures) = self.warm_failures.lock()
+            && let (n @ 1.., Some(at)) = *failures
+            && at.elapsed() < Duration::from_secs(1u64 << n.min(6)).min(Duration::from_secs(60))
+        {
+            return;
+        }
+        if self.warming.swap(true, Ordering::AcqRel) {
             return;
         }
         let factory = self.clone();
         tokio::spawn(async move {
-            while factory.idle_count() < factory.settings.max_idle {
+            while factory.idle_count() < factory.settings.max_idle && !factory.retired.load(Ordering::Acquire) {
                 let Ok(permit) = factory.live.clone().try_acquire_owned() else { break };
                 let started = Instant::now();
                 match factory.make(factory.settings.init_budget, permit).await {
-                    Ok((slot, _)) => factory.put_back(slot),
-                    Err(fault) => {
-                        // A full pooling allocator is the host's limit, not the plugin's doing.
-                        if !fault.to_string().contains("maximum concurrent") {
-                            factory.stats.record_instance_fault(&fault, started.elapsed());
+                    Ok((slot, _)) => {
+                        factory.put_back(slot);
+                        if let Ok(mut failures) = factory.warm_failures.lock() {
+                            *failures = (0, None);
                         }
-                        tracing::warn!(plugin = &*factory.name, "warming an instance failed: {fault}");
+                    }
+                    Err(fault) => {
+                        factory.stats.record_instance_fault(&fault, started.elapsed());
+                        if factory.stats.fault_logs.admit() == super::logs::Verdict::Write {
+                            tracing::warn!(plugin = &*factory.name, "warming an instance failed: {fault}");
+                        }
+                        if let Ok(mut failures) = factory.warm_failures.lock() {
+                            *failures = (failures.0.saturating_add(1), Some(Instant::now()));
+                        }
                         break;
                     }
                 }
             }
             factory.warming.store(false, Ordering::Release);
         });
+    }
+}
+
+impl Drop for LoadedPlugin {
+    fn drop(&mut self) {
+        // This version has left every chain: its warmer stops, its instances go.
+        self.factory.retired.store(true, Ordering::Release);
     }
 }
 
@@ -367,7 +409,10 @@ impl LoadedPlugin {
             stats: stats.clone(),
             live: Arc::new(Semaphore::new(settings.max_instances.max(1))),
             idle: Arc::default(),
+            returned: Arc::default(),
             warming: Arc::default(),
+            warm_failures: Arc::default(),
+            retired: Arc::default(),
         };
         let permit = factory.live.clone().try_acquire_owned().map_err(|e| e.to_string())?;
         let (slot, manifest) = factory.make(settings.init_budget, permit).await.map_err(|fault| match fault {
@@ -408,7 +453,9 @@ impl LoadedPlugin {
         let started = Instant::now();
         let outcome = self.call_inner(&call).await;
         let tipped = self.stats.record(hook, started.elapsed(), outcome.as_ref().err(), self.settings.quarantine_after);
-        if let Err(fault) = &outcome {
+        if let Err(fault) = &outcome
+            && self.stats.fault_logs.admit() == super::logs::Verdict::Write
+        {
             tracing::warn!(plugin = &*self.name, version = %self.version, hook = hook.name(), "plugin fault: {fault}");
         }
         if tipped {
@@ -425,43 +472,58 @@ impl LoadedPlugin {
         outcome
     }
 
-    /// An instance for one call, within the call's budget: an idle one, or a
-    /// new one whose `init` must finish within the budget too (a slow `init`
-    /// is the plugin's fault, not the request's wait). The warmer refills the
-    /// idle pool in the background.
-    async fn instance(&self, budget: Duration) -> Result<Slot, Fault> {
-        if let Some(slot) = self.factory.take_idle() {
-            if self.factory.idle_count() == 0 {
-                self.factory.warm();
+    /// An instance for one call, by `deadline`: an idle one, one that comes
+    /// back to the pool meanwhile, or a new one whose `init` must finish by
+    /// the deadline too (a slow `init` is the plugin's fault, not the
+    /// request's wait). The warmer refills the idle pool in the background.
+    async fn instance(&self, deadline: Instant) -> Result<Slot, Fault> {
+        let factory = &self.factory;
+        if let Some(slot) = factory.take_idle() {
+            if factory.idle_count() == 0 {
+                factory.warm();
             }
             return Ok(slot);
         }
-        self.factory.warm();
-        let started = Instant::now();
-        let permit = match tokio::time::timeout(budget, self.factory.live.clone().acquire_owned()).await {
-            Ok(Ok(permit)) => permit,
-            _ => {
-                return Err(Fault::Instantiate(format!(
-                    "all {} of the plugin's instances stayed busy for the call's budget of {budget:?}",
-                    self.settings.max_instances
-                )));
+        factory.warm();
+        loop {
+            let returned = factory.returned.notified();
+            let mut returned = std::pin::pin!(returned);
+            returned.as_mut().enable();
+            if let Some(slot) = factory.take_idle() {
+                return Ok(slot);
             }
-        };
-        // A warm instance may have come back while waiting.
-        if let Some(slot) = self.factory.take_idle() {
-            return Ok(slot);
+            let left = deadline.saturating_duration_since(Instant::now());
+            tokio::select! {
+                permit = factory.live.clone().acquire_owned() => {
+                    let permit = permit.map_err(|e| Fault::Instantiate(e.to_string()))?;
+                    if let Some(slot) = factory.take_idle() {
+                        return Ok(slot);
+                    }
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    return Ok(factory.make(left, permit).await?.0);
+                }
+                _ = returned => continue,
+                _ = tokio::time::sleep(left) => {
+                    return Err(Fault::Instantiate(format!(
+                        "no instance was free within the call's budget of {:?} (all {} of the plugin's were busy)",
+                        self.settings.budget, self.settings.max_instances
+                    )));
+                }
+            }
         }
-        let left = budget.saturating_sub(started.elapsed());
-        Ok(self.factory.make(left, permit).await?.0)
     }
 
     async fn call_inner(&self, call: &Call<'_>) -> Result<Answer, Fault> {
+        // One budget for the whole call: waiting for an instance, a new
+        // instance's `init`, and the hook itself.
         let budget = self.settings.budget;
-        let mut slot = self.instance(budget).await?;
-        slot.store.data_mut().deadline = Instant::now() + budget;
+        let deadline = Instant::now() + budget;
+        let mut slot = self.instance(deadline).await?;
+        slot.store.data_mut().deadline = deadline;
         slot.store.set_epoch_deadline(1);
+        let left = deadline.saturating_duration_since(Instant::now());
         let answer =
-            match tokio::time::timeout(budget + HOST_CALL_GRACE, invoke(&slot.plugin, &mut slot.store, call)).await {
+            match tokio::time::timeout(left + HOST_CALL_GRACE, invoke(&slot.plugin, &mut slot.store, call)).await {
                 Err(_) => return Err(Fault::Deadline(budget)),
                 Ok(Err(error)) => return Err(self.factory.classify(&error, &slot.store)),
                 Ok(Ok(answer)) => answer,

@@ -28,7 +28,12 @@ pub fn one_line(message: &str) -> String {
             '\n' => out.push_str("\\n"),
             '\r' => out.push_str("\\r"),
             '\t' => out.push_str("\\t"),
-            c if c.is_control() => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            // Controls, line and paragraph separators, bidirectional overrides.
+            c if c.is_control()
+                || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}') =>
+            {
+                out.push_str(&format!("\\u{{{:x}}}", c as u32))
+            }
             c => out.push(c),
         }
     }
@@ -63,6 +68,13 @@ pub struct LogLimit {
 }
 
 impl LogLimit {
+    /// A limit of `lines_per_sec`.
+    pub fn with_rate(lines_per_sec: f64) -> LogLimit {
+        let limit = LogLimit::default();
+        limit.set_rate(lines_per_sec);
+        limit
+    }
+
     /// Sets the rate (from the plugin's configuration, on every load).
     pub fn set_rate(&self, lines_per_sec: f64) {
         self.per_sec.store(lines_per_sec.to_bits(), Ordering::Relaxed);

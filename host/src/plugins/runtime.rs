@@ -133,7 +133,8 @@ impl PluginRuntime {
             budget: Duration::from_secs_f64(config.time_budget_ms / 1000.0),
             init_budget: Duration::from_secs_f64(self.settings.init_budget_ms / 1000.0),
             memory_bytes: (config.memory_mib as usize) << 20,
-            max_idle: self.settings.idle_instances,
+            // Idle instances hold the plugin's permits: never all of them.
+            max_idle: self.settings.idle_instances.min(config.max_instances.saturating_sub(1).max(1)),
             quarantine_after: self.settings.quarantine_after,
             max_hit_bytes: self.settings.max_hit_bytes,
             max_instances: config.max_instances,

@@ -39,6 +39,9 @@ impl ResourceLimiter for MemoryCap {
     }
 }
 
+/// Longest key or vector namespace a plugin may use, bytes.
+pub const MAX_KEY_BYTES: usize = 1024;
+
 /// The store data of one plugin instance.
 pub struct PluginState {
     /// The plugin's name: its namespace in the shared stores and its tag in logs.
@@ -74,8 +77,14 @@ impl PluginState {
         }
     }
 
-    fn key(&self, key: &str) -> String {
-        format!("{}:{key}", self.plugin)
+    /// `key` in the plugin's namespace; keys (and namespace names) are at
+    /// most [`MAX_KEY_BYTES`], so that a plugin cannot fill the host's
+    /// memory with the keys themselves.
+    fn key(&self, key: &str) -> Result<String, String> {
+        if key.len() > MAX_KEY_BYTES {
+            return Err(format!("keys and namespaces must be at most {MAX_KEY_BYTES} bytes, got {}", key.len()));
+        }
+        Ok(format!("{}:{key}", self.plugin))
     }
 }
 
@@ -116,19 +125,19 @@ impl runtime::Host for PluginState {
 
 impl kv::Host for PluginState {
     async fn get(&mut self, key: String) -> Result<Option<Vec<u8>>, String> {
-        self.caps.kv_get(&self.key(&key)).await
+        self.caps.kv_get(&self.key(&key)?).await
     }
 
     async fn set(&mut self, key: String, value: Vec<u8>, ttl_ms: u64) -> Result<(), String> {
-        self.caps.kv_set(&self.key(&key), value, ttl_ms).await
+        self.caps.kv_set(&self.key(&key)?, value, ttl_ms).await
     }
 
     async fn incr(&mut self, key: String, delta: i64, ttl_ms: u64) -> Result<i64, String> {
-        self.caps.kv_incr(&self.key(&key), delta, ttl_ms).await
+        self.caps.kv_incr(&self.key(&key)?, delta, ttl_ms).await
     }
 
     async fn delete(&mut self, key: String) -> Result<(), String> {
-        self.caps.kv_delete(&self.key(&key)).await
+        self.caps.kv_delete(&self.key(&key)?).await
     }
 }
 
@@ -140,7 +149,7 @@ impl ratelimit::Host for PluginState {
         refill_per_sec: f64,
         cost: f64,
     ) -> Result<ratelimit::BucketState, String> {
-        let take = self.caps.take(&self.key(&key), capacity, refill_per_sec, cost).await?;
+        let take = self.caps.take(&self.key(&key)?, capacity, refill_per_sec, cost).await?;
         Ok(ratelimit::BucketState {
             allowed: take.allowed,
             remaining: take.remaining,
@@ -168,7 +177,7 @@ impl vectors::Host for PluginState {
         payload: Vec<u8>,
         ttl_ms: u64,
     ) -> Result<(), String> {
-        self.caps.vector_insert(&self.key(&namespace), &vector, payload, ttl_ms).await
+        self.caps.vector_insert(&self.key(&namespace)?, &vector, payload, ttl_ms).await
     }
 
     async fn search(
@@ -178,7 +187,7 @@ impl vectors::Host for PluginState {
         k: u32,
         min_score: f32,
     ) -> Result<Vec<vectors::Match>, String> {
-        let hits = self.caps.vectors.search(&self.key(&namespace), &vector, k, min_score)?;
+        let hits = self.caps.vectors.search(&self.key(&namespace)?, &vector, k, min_score)?;
         Ok(hits.into_iter().map(|h| vectors::Match { score: h.score, payload: h.payload }).collect())
     }
 }

@@ -27,6 +27,11 @@ pub enum Fault {
     /// The plugin is quarantined and was not called.
     #[error("is quarantined after repeated faults")]
     Quarantined,
+    /// The host had no room for another instance (every plugin's instances
+    /// together fill the pooling allocator): not the plugin's doing, so not
+    /// counted against it.
+    #[error("could not be called: {0}")]
+    HostBusy(String),
 }
 
 /// Calls over which a plugin's fault rate is judged: half or more faulty quarantines it.
@@ -36,7 +41,8 @@ pub const RATE_WINDOW: u32 = 20;
 pub const FAULT_KINDS: [&str; 5] = ["trap", "deadline", "over-memory", "malformed", "instantiate"];
 
 impl Fault {
-    /// Index into [`FAULT_KINDS`], or `None` for [`Fault::Quarantined`].
+    /// Index into [`FAULT_KINDS`], or `None` for what is not the plugin's
+    /// fault ([`Fault::Quarantined`], [`Fault::HostBusy`]).
     pub fn kind(&self) -> Option<usize> {
         match self {
             Fault::Trap(_) => Some(0),
@@ -44,7 +50,7 @@ impl Fault {
             Fault::OverMemory(_) => Some(2),
             Fault::Malformed(_) => Some(3),
             Fault::Instantiate(_) => Some(4),
-            Fault::Quarantined => None,
+            Fault::Quarantined | Fault::HostBusy(_) => None,
         }
     }
 }
@@ -62,6 +68,8 @@ pub struct PluginStats {
     quarantined: AtomicBool,
     /// The plugin's log rate and the lines it dropped.
     pub logs: super::logs::LogLimit,
+    /// The rate of host warnings about the plugin's faults.
+    pub fault_logs: super::logs::LogLimit,
 }
 
 impl Default for PluginStats {
@@ -76,6 +84,7 @@ impl Default for PluginStats {
             recent: std::sync::Mutex::new((0, 0)),
             quarantined: AtomicBool::new(false),
             logs: Default::default(),
+            fault_logs: super::logs::LogLimit::with_rate(5.0),
         }
     }
 }
@@ -91,13 +100,13 @@ impl PluginStats {
         self.calls[h].fetch_add(1, Ordering::Relaxed);
         self.latency[h].observe(elapsed.as_secs_f64());
         let kind = fault.and_then(Fault::kind);
-        let faulty_share = {
-            let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
-            let mask = (1u64 << RATE_WINDOW) - 1;
-            recent.0 = ((recent.0 << 1) | u64::from(kind.is_some())) & mask;
-            recent.1 = (recent.1 + 1).min(RATE_WINDOW);
-            (recent.1 == RATE_WINDOW).then(|| recent.0.count_ones() * 2 >= RATE_WINDOW)
-        };
+        // One lock for the window and the verdict, so that a lift of the
+        // quarantine is never undone by a call judged just before it.
+        let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        let mask = (1u64 << RATE_WINDOW) - 1;
+        recent.0 = ((recent.0 << 1) | u64::from(kind.is_some())) & mask;
+        recent.1 = (recent.1 + 1).min(RATE_WINDOW);
+        let faulty_share = recent.1 == RATE_WINDOW && recent.0.count_ones() * 2 >= RATE_WINDOW;
         match kind {
             None => {
                 self.consecutive_faults.store(0, Ordering::Relaxed);
@@ -107,8 +116,7 @@ impl PluginStats {
                 self.hook_faults[h].fetch_add(1, Ordering::Relaxed);
                 self.faults[kind].fetch_add(1, Ordering::Relaxed);
                 let run = self.consecutive_faults.fetch_add(1, Ordering::Relaxed) + 1;
-                (run >= quarantine_after || faulty_share == Some(true))
-                    && !self.quarantined.swap(true, Ordering::Relaxed)
+                (run >= quarantine_after || faulty_share) && !self.quarantined.swap(true, Ordering::Relaxed)
             }
         }
     }
@@ -128,8 +136,9 @@ impl PluginStats {
     /// Lifts quarantine (a new version was loaded, or an operator said so)
     /// and forgets the recent faults; returns whether it was quarantined.
     pub fn reset_quarantine(&self) -> bool {
+        let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        *recent = (0, 0);
         self.consecutive_faults.store(0, Ordering::Relaxed);
-        *self.recent.lock().unwrap_or_else(|p| p.into_inner()) = (0, 0);
         self.quarantined.swap(false, Ordering::Relaxed)
     }
 
