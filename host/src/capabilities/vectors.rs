@@ -158,7 +158,16 @@ pub fn owner(namespace: &str) -> &str {
     namespace.split_once(':').map_or(namespace, |(owner, _)| owner)
 }
 
+/// Most dimensions a vector may have (embedding models have at most a few thousand).
+pub const MAX_DIMENSIONS: usize = 8192;
+
+/// Most results one search returns.
+pub const MAX_RESULTS: u32 = 256;
+
 fn unit(vector: &[f32]) -> Result<Vec<f32>, String> {
+    if vector.len() > MAX_DIMENSIONS {
+        return Err(format!("vectors may have at most {MAX_DIMENSIONS} dimensions, got {}", vector.len()));
+    }
     let norm = vector.iter().map(|x| x * x).sum::<f32>().sqrt();
     if vector.is_empty() || !norm.is_finite() || norm == 0.0 {
         return Err("vector must be non-empty, finite and non-zero".to_string());
@@ -264,6 +273,9 @@ impl LocalVectors {
     /// Exact up to [`EXACT_SEARCH_ENTRIES`] entries; above, the entries
     /// whose sign bits are nearest the query's are re-ranked exactly.
     pub fn search(&self, namespace: &str, vector: &[f32], k: u32, min_score: f32) -> Result<Vec<Hit>, String> {
+        if k > MAX_RESULTS {
+            return Err(format!("a search returns at most {MAX_RESULTS} results, asked for {k}"));
+        }
         let query = unit(vector)?;
         let now = Instant::now();
         let mut namespaces = self.lock();
@@ -353,6 +365,10 @@ mod tests {
             store.insert("p:only", &[1.0, 0.0], vec![b'x'], 0).unwrap_or_else(|e| panic!("insert {i}: {e}"));
         }
         assert_eq!(store.len("p:only"), 2);
+        assert!(store.search("p:only", &[1.0, 0.0], MAX_RESULTS + 1, 0.0).unwrap_err().contains("at most"));
+        assert!(
+            store.insert("p:wide", &vec![1.0; MAX_DIMENSIONS + 1], Vec::new(), 0).unwrap_err().contains("dimensions")
+        );
         assert!(store.insert("p:only", &[1.0, 0.0], vec![0; 1000], 0).unwrap_err().contains("280 bytes"));
     }
 
