@@ -267,8 +267,9 @@ fn field_error(path: String, inner: impl std::fmt::Display) -> super::error::Api
     let inner = if inner.contains("untagged enum") {
         format!("it must be {}", expected_shape(&path))
     } else {
-        // "expected struct StreamOptions" -> "expected an object"
-        match inner.find("struct ") {
+        // "expected struct StreamOptions" -> "expected an object"; serde puts
+        // this last, after any quoted value the client sent.
+        match inner.rfind("expected struct ").map(|at| at + "expected ".len()) {
             Some(at) => {
                 let name = at + "struct ".len();
                 let end =
