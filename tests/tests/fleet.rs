@@ -231,17 +231,23 @@ async fn the_fleet_scales_on_one_decision_along_a_traffic_trace() {
             );
         }
     }
-    // The decision sequence, as the first replica saw it.
+    // The decision sequence, as the first replica saw it. A decision reflects the
+    // arrivals of the last window, taken at the last tick and read at the last poll,
+    // so a change is put in the phase of the traffic it answered: the one running
+    // `LAG` before it was seen (window 1 s + tick 0.25 s + poll 0.125 s, and slack
+    // for a loaded machine). A scale-up read just after the ramp ended answers the ramp.
+    const LAG: f64 = 2.0;
     let mut changes = Vec::new();
     let mut desired = polls[0].decisions[0].1;
     for poll in &polls {
         let now = poll.decisions[0].1;
         if now != desired {
+            let (answers, _) = phase_at((poll.at - LAG).max(0.0));
             println!(
-                "{:>6.2} s  {:<8} sent {:>5.1} req/s  {} -> {}: {}",
-                poll.at, poll.phase, poll.sent_rate, desired, now, poll.decisions[0].2
+                "{:>6.2} s  {:<8} sent {:>5.1} req/s  answers {:<8} {} -> {}: {}",
+                poll.at, poll.phase, poll.sent_rate, answers, desired, now, poll.decisions[0].2
             );
-            changes.push((poll.at, poll.phase, desired, now, poll.decisions[0].2.clone()));
+            changes.push((poll.at, answers, desired, now, poll.decisions[0].2.clone()));
             desired = now;
         }
     }
