@@ -238,6 +238,13 @@ pub struct PluginRuntimeConfig {
     /// Most text a cache hit may carry (over all its choices), bytes; a
     /// larger hit is a malformed decision.
     pub max_hit_bytes: usize,
+    /// Time one call may spend waiting on a host capability saturated by
+    /// others (the embedding model) without it counting against its time
+    /// budget, in milliseconds; past it the capability answers "busy".
+    pub host_wait_ms: u64,
+    /// Threads plugin code runs on, apart from the server's async workers
+    /// (0: one per core).
+    pub threads: usize,
 }
 
 impl Default for PluginRuntimeConfig {
@@ -253,6 +260,8 @@ impl Default for PluginRuntimeConfig {
             init_budget_ms: 2000.0,
             // About a 32k-token context's worth of text.
             max_hit_bytes: 256 << 10,
+            host_wait_ms: 1000,
+            threads: 0,
         }
     }
 }
@@ -408,6 +417,10 @@ pub struct PluginConfig {
     /// Memory cap of one instance, in MiB.
     #[serde(default = "default_memory_mib")]
     pub memory_mib: u64,
+    /// Linear memory of all the plugin's instances together, in MiB
+    /// (default: 512, or `memory-mib` when that is larger).
+    #[serde(default)]
+    pub memory_total_mib: Option<u64>,
     /// Most lines the plugin may log a second; the rest are dropped and counted.
     #[serde(default = "default_log_lines_per_sec")]
     pub log_lines_per_sec: f64,
@@ -448,6 +461,11 @@ fn default_vector_max_bytes() -> usize {
 }
 
 impl PluginConfig {
+    /// Linear memory all the plugin's instances may hold together, MiB.
+    pub fn memory_total_mib(&self) -> u64 {
+        self.memory_total_mib.unwrap_or(self.memory_mib.max(512))
+    }
+
     /// What the plugin may hold in the host's stores.
     pub fn bounds(&self) -> crate::capabilities::PluginBounds {
         crate::capabilities::PluginBounds {
@@ -648,6 +666,18 @@ impl Config {
                 runtime.init_budget_ms
             )));
         }
+        if runtime.threads > 1024 {
+            return Err(ConfigError::Invalid(format!(
+                "plugin-runtime.threads must be between 0 (one per core) and 1024, got {}",
+                runtime.threads
+            )));
+        }
+        if !(1..=600_000).contains(&runtime.host_wait_ms) {
+            return Err(ConfigError::Invalid(format!(
+                "plugin-runtime.host-wait-ms must be between 1 and 600000, got {}",
+                runtime.host_wait_ms
+            )));
+        }
         let shared = &self.shared_state;
         if !(1..=60_000).contains(&shared.timeout_ms) || !(10..=600_000).contains(&shared.retry_interval_ms) {
             return Err(ConfigError::Invalid(format!(
@@ -757,6 +787,14 @@ impl Config {
                 return Err(ConfigError::Invalid(format!(
                     "plugins[{i}] ({}): memory-mib must be between 1 and plugin-runtime.max-memory-mib ({}), got {}",
                     plugin.name, runtime.max_memory_mib, plugin.memory_mib
+                )));
+            }
+            if !(plugin.memory_mib..=1 << 20).contains(&plugin.memory_total_mib()) {
+                return Err(ConfigError::Invalid(format!(
+                    "plugins[{i}] ({}): memory-total-mib must be at least memory-mib ({}) and at most 1048576, got {}",
+                    plugin.name,
+                    plugin.memory_mib,
+                    plugin.memory_total_mib()
                 )));
             }
         }

@@ -79,7 +79,7 @@ pub struct Plan {
     /// The validated request (prompts possibly truncated, caps applied).
     pub request: ValidRequest,
     /// The record policies saw, per prompt.
-    pub records: Vec<wit::Request>,
+    pub records: Vec<Arc<wit::Request>>,
     /// The chain snapshot the request uses throughout.
     pub chain: Arc<Chain>,
     /// The choices, in response order (prompt-major, then `n`).
@@ -166,7 +166,7 @@ impl Pipeline {
     async fn lookup(
         &self,
         chain: &Chain,
-        record: &wit::Request,
+        record: &Arc<wit::Request>,
         n: u32,
     ) -> Result<Option<(String, wit::CacheHit)>, ApiError> {
         if !chain.declares(Hook::Lookup) {
@@ -196,9 +196,9 @@ impl Pipeline {
         let (mut cache_hit, mut degraded, mut coalesced) = (None, None, false);
 
         for prompt in 0..request.prompts.len() {
-            let mut rec = record(&request, prompt);
+            let mut rec = Arc::new(record(&request, prompt));
             if let Some(priority) = chain.admit(&rec, &load).await.map_err(|r| self.refused(r, &counters.rejected))? {
-                rec.priority = priority;
+                Arc::make_mut(&mut rec).priority = priority;
             }
             let lookup = recordable(&request.sampling);
             if lookup && let Some((plugin, hit)) = self.lookup(&chain, &rec, request.n).await? {
@@ -216,14 +216,14 @@ impl Pipeline {
             let mut max_tokens = request.max_tokens;
             if let Some(cap) = shaping.max_tokens {
                 max_tokens = max_tokens.min(cap);
-                rec.max_tokens = max_tokens;
+                Arc::make_mut(&mut rec).max_tokens = max_tokens;
             }
             let mut tokens = request.prompts[prompt].tokens.clone();
             if let Some(keep) = shaping.truncate_prompt_tokens
                 && (keep as usize) < tokens.len()
             {
                 tokens.drain(..tokens.len() - keep as usize);
-                rec.prompt_tokens = keep;
+                Arc::make_mut(&mut rec).prompt_tokens = keep;
             }
             if let Some(model) = &shaping.route_model
                 && *model != self.model
@@ -240,7 +240,7 @@ impl Pipeline {
             if let Some(floor) = shaping.cache_min_similarity
                 && lookup
             {
-                rec.min_similarity = Some(floor);
+                Arc::make_mut(&mut rec).min_similarity = Some(floor);
                 if let Some((plugin, hit)) = self.lookup(&chain, &rec, request.n).await? {
                     cache_hit = Some((plugin, hit.similarity));
                     choices.extend(cached_choices(hit, prompt, request.n));
@@ -307,7 +307,7 @@ pub struct Finished {
 /// Calls `completed` on the chain off the response path.
 pub fn report_completed(
     plan_chain: Arc<Chain>,
-    records: Vec<wit::Request>,
+    records: Vec<Arc<wit::Request>>,
     finished: Vec<Finished>,
     cached: bool,
     coalesced: bool,

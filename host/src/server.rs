@@ -62,6 +62,29 @@ pub fn render_plugin_metrics(policies: &Policies, caps: &Capabilities, out: &mut
     for p in chain.plugins() {
         let _ = writeln!(out, "levee_plugin_log_dropped_total{{plugin=\"{}\"}} {}", p.name, p.stats.logs.dropped());
     }
+    header(out, "levee_plugin_memory_bytes", "gauge", "Linear memory all of the plugin's instances hold together.");
+    for p in chain.plugins() {
+        let _ = writeln!(
+            out,
+            "levee_plugin_memory_bytes{{plugin=\"{}\"}} {}",
+            p.name,
+            p.stats.memory.load(std::sync::atomic::Ordering::Relaxed)
+        );
+    }
+    header(
+        out,
+        "levee_plugin_host_wait_seconds_total",
+        "counter",
+        "Time plugin calls waited on saturated host capabilities (the embedding model); not charged to their budgets.",
+    );
+    for p in chain.plugins() {
+        let _ = writeln!(
+            out,
+            "levee_plugin_host_wait_seconds_total{{plugin=\"{}\"}} {}",
+            p.name,
+            p.stats.host_wait().as_secs_f64()
+        );
+    }
     header(out, "levee_plugin_shadow_overrides_total", "counter", "Shadow-mode decisions that were not applied.");
     for p in chain.plugins() {
         let _ = writeln!(

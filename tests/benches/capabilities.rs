@@ -16,6 +16,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// How long the benchmark waits for the embedding model to take a text.
+const WAIT: Duration = Duration::from_secs(60);
+
 fn percentile(samples: &mut [Duration], p: f64) -> Duration {
     samples.sort();
     samples[((samples.len() - 1) as f64 * p).round() as usize]
@@ -75,7 +78,11 @@ fn embed_and_search_at_100k() {
     let caps = Capabilities::local();
     // Fill with real-looking vectors: embeddings of a few hundred texts, perturbed.
     let seeds: Vec<Vec<f32>> = (0..256)
-        .map(|i| embedder.embed(&format!("What is the answer to question {i} about topic {}?", i * 7 % 31)).unwrap())
+        .map(|i| {
+            embedder
+                .embed("bench", &format!("What is the answer to question {i} about topic {}?", i * 7 % 31), WAIT)
+                .unwrap()
+        })
         .collect();
     let mut state = 0x2545_f491_4f6c_dd1du64;
     let mut noise = move || {
@@ -96,7 +103,7 @@ fn embed_and_search_at_100k() {
     let mut exact = 0;
     for (i, question) in questions.iter().enumerate() {
         let t0 = Instant::now();
-        let vector = embedder.embed(question).unwrap();
+        let vector = embedder.embed("bench", question, WAIT).unwrap();
         let t1 = Instant::now();
         let hits = caps.vectors.search("bench", &vector, 1, 0.0).unwrap();
         let t2 = Instant::now();

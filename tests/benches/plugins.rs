@@ -175,8 +175,10 @@ fn main() {
     runtime.block_on(async {
         let load = Load::default();
         let tenants: Vec<String> = (0..64).map(|i| format!("tenant-{i}")).collect();
-        let requests: &'static [Request] =
+        // The chain takes requests shared (as the pipeline holds them); the bare calls take them plain.
+        let shared: &'static [std::sync::Arc<Request>] =
             tenants.iter().map(|t| request(t, "What is the capital of France?")).collect::<Vec<_>>().leak();
+        let requests: &'static [Request] = shared.iter().map(|r| (**r).clone()).collect::<Vec<_>>().leak();
 
         let (noop, _) =
             start(vec![plugin("noop", guests::NOOP, json!({}))], runtime_settings(false)).await.expect("noop");
@@ -207,7 +209,7 @@ fn main() {
                 all[slot].extend(
                     measure(n, |i| {
                         let chain = chain.clone();
-                        let req = &requests[i % requests.len()];
+                        let req = &shared[i % shared.len()];
                         let load = &load;
                         async move {
                             black_box(chain.plugins()[0].admit(req, load).await.expect("admit"));
@@ -231,7 +233,7 @@ fn main() {
             all[3].extend(
                 measure(n, |i| {
                     let policies = noop.policies.clone();
-                    let req = &requests[i % requests.len()];
+                    let req = &shared[i % shared.len()];
                     let (load, response, usage) = (&load, &response, &usage);
                     async move {
                         let chain = policies.snapshot();

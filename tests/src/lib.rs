@@ -28,6 +28,7 @@ pub fn plugin(name: &str, path: impl Into<PathBuf>, config: serde_json::Value) -
         mode: Mode::Enforce,
         time_budget_ms: 1000.0,
         memory_mib: 64,
+        memory_total_mib: None,
         log_lines_per_sec: 20.0,
         max_instances: 16,
         kv_max_bytes: 64 << 20,
@@ -60,8 +61,8 @@ pub async fn start(
 }
 
 /// A greedy completions request from `tenant` with `prompt`.
-pub fn request(tenant: &str, prompt: &str) -> levee::plugins::bindings::Request {
-    levee::plugins::bindings::Request {
+pub fn request(tenant: &str, prompt: &str) -> Arc<levee::plugins::bindings::Request> {
+    Arc::new(levee::plugins::bindings::Request {
         id: "req-1".to_string(),
         tenant: tenant.to_string(),
         tier: None,
@@ -79,7 +80,7 @@ pub fn request(tenant: &str, prompt: &str) -> levee::plugins::bindings::Request 
         stream: false,
         headers: vec![("user-agent".to_string(), "levee-tests".to_string())],
         min_similarity: None,
-    }
+    })
 }
 
 /// Scale signals of one replica under `load`.

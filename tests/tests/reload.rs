@@ -167,3 +167,30 @@ async fn admin_routes_list_and_reload_behind_the_token() {
     assert!(metrics.contains("levee_plugin_calls_total{plugin=\"versioned\",hook=\"admit\"}"), "{metrics}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test]
+async fn a_reload_that_fails_part_way_keeps_the_old_versions_quarantine() {
+    let dir = scratch("quarantine");
+    let (flaky_path, other_path) = (dir.join("flaky.wasm"), dir.join("other.wasm"));
+    replace(&flaky_path, guests::SCRIPTED);
+    replace(&other_path, guests::VERSION_1);
+    let flaky = plugin("flaky", &flaky_path, json!({ "hooks": ["admit"], "fault_every": 1 }));
+    let other = plugin("other", &other_path, json!({}));
+    let (system, _) = start(vec![flaky, other], runtime_settings(false)).await.unwrap();
+    let stats = system.policies.snapshot().plugins()[0].stats.clone();
+    while !stats.quarantined() {
+        let _ = system.policies.snapshot().admit(&request("acme", "hi"), &Load::default()).await;
+    }
+    // A new version of the flaky plugin, but the other plugin's file is broken:
+    // the reload is refused as a whole, and the quarantine stays.
+    replace(&flaky_path, guests::NOOP);
+    std::fs::write(&other_path, b"not a component").unwrap();
+    assert!(system.reloader.reload().await.is_err());
+    assert!(stats.quarantined(), "a refused reload lifted the quarantine");
+    // Once the whole chain loads, the new version starts afresh.
+    replace(&other_path, guests::VERSION_1);
+    let report = system.reloader.reload().await.unwrap();
+    assert_eq!(report.reloaded, vec!["flaky".to_string()]);
+    assert!(!stats.quarantined(), "the new version is still quarantined");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -3,12 +3,16 @@
 //!
 //! One thread owns the model. Calls that arrive while it is busy are
 //! embedded together in the next batch, so concurrent lookups share the
-//! cost of a forward pass.
+//! cost of a forward pass. Each plugin has its own queue and a batch takes
+//! from them in turn, so one plugin's flood does not delay another's text
+//! by more than one text per batch.
 
 use super::Embedder;
 use fastembed::{InitOptionsUserDefined, Pooling, TextEmbedding, TokenizerFiles, UserDefinedEmbeddingModel};
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, Condvar, Mutex, mpsc};
+use std::time::{Duration, Instant};
 
 /// Most texts embedded in one batch.
 const MAX_BATCH: usize = 32;
@@ -19,7 +23,13 @@ const MAX_TOKENS: usize = 256;
 const MAX_TEXT_BYTES: usize = MAX_TOKENS * 16;
 /// Texts waiting for the embedding thread; past this, `embed` fails at once
 /// rather than queueing work nobody may wait for.
-const QUEUE_DEPTH: usize = 128;
+const QUEUE_DEPTH: usize = 256;
+/// Texts one plugin may have waiting.
+const OWNER_QUEUE_DEPTH: usize = 64;
+/// How long a caller waits for a started text to be embedded, past its
+/// own wait for the model: a batch is a few milliseconds; this only keeps a
+/// wedged model from holding a thread forever.
+const COMPUTE_GRACE: Duration = Duration::from_secs(10);
 
 /// Files the model folder must hold.
 pub const FILES: [&str; 6] = [
@@ -52,12 +62,76 @@ pub enum EmbeddingError {
 
 struct Job {
     text: String,
+    /// When it was queued, and by when it must have been started.
+    queued: Instant,
+    give_up: Instant,
     reply: mpsc::Sender<Result<Vec<f32>, String>>,
+}
+
+/// Texts waiting for the model, one queue per plugin, served in turn: a
+/// plugin that floods the model waits behind itself, not in front of others.
+#[derive(Default)]
+struct FairQueue {
+    by_owner: HashMap<String, VecDeque<Job>>,
+    /// Owners with work, in the order they are next served.
+    turn: VecDeque<String>,
+    waiting: usize,
+    stopped: bool,
+}
+
+impl FairQueue {
+    fn push(&mut self, owner: &str, job: Job) -> Result<(), String> {
+        if self.stopped {
+            return Err("the embedding thread has stopped".to_string());
+        }
+        if self.waiting >= QUEUE_DEPTH {
+            return Err(format!("the embedding queue is full ({QUEUE_DEPTH} texts waiting)"));
+        }
+        let queue = self.by_owner.entry(owner.to_string()).or_default();
+        if queue.len() >= OWNER_QUEUE_DEPTH {
+            return Err(format!("this plugin already has {OWNER_QUEUE_DEPTH} texts waiting for the embedding model"));
+        }
+        if queue.is_empty() {
+            self.turn.push_back(owner.to_string());
+        }
+        queue.push_back(job);
+        self.waiting += 1;
+        Ok(())
+    }
+
+    /// The next batch: one text per owner in turn, up to [`MAX_BATCH`];
+    /// texts whose caller has stopped waiting are answered, not embedded.
+    fn batch(&mut self, now: Instant) -> Vec<Job> {
+        let mut batch = Vec::new();
+        while batch.len() < MAX_BATCH {
+            let Some(owner) = self.turn.pop_front() else { break };
+            let Some(queue) = self.by_owner.get_mut(&owner) else { continue };
+            let Some(job) = queue.pop_front() else { continue };
+            self.waiting -= 1;
+            if queue.is_empty() {
+                self.by_owner.remove(&owner);
+            } else {
+                self.turn.push_back(owner);
+            }
+            if job.give_up < now {
+                let waited = now.duration_since(job.queued);
+                let _ = job.reply.send(Err(format!("the embedding model was busy for {waited:?}; try again later")));
+                continue;
+            }
+            batch.push(job);
+        }
+        batch
+    }
+}
+
+struct Queue {
+    jobs: Mutex<FairQueue>,
+    ready: Condvar,
 }
 
 /// The loaded model, behind its own thread.
 pub struct MiniLm {
-    jobs: mpsc::SyncSender<Job>,
+    queue: Arc<Queue>,
 }
 
 fn read(dir: &Path, name: &str) -> Result<Vec<u8>, EmbeddingError> {
@@ -121,49 +195,124 @@ impl MiniLm {
             .with_max_length(MAX_TOKENS);
         let mut embedding = TextEmbedding::try_new_from_user_defined(model, options)
             .map_err(|e| EmbeddingError::Load(format!("{}: {e}", dir.join("model.onnx").display())))?;
-        let (jobs, queue) = mpsc::sync_channel::<Job>(QUEUE_DEPTH);
+        let queue = Arc::new(Queue { jobs: Mutex::new(FairQueue::default()), ready: Condvar::new() });
+        let worker = queue.clone();
         std::thread::Builder::new()
             .name("levee-embeddings".into())
             .spawn(move || {
-                while let Ok(first) = queue.recv() {
-                    let mut batch = vec![first];
-                    while batch.len() < MAX_BATCH {
-                        match queue.try_recv() {
-                            Ok(job) => batch.push(job),
-                            Err(_) => break,
+                loop {
+                    let batch = {
+                        let mut jobs = worker.jobs.lock().unwrap_or_else(|p| p.into_inner());
+                        while jobs.waiting == 0 {
+                            jobs = worker.ready.wait(jobs).unwrap_or_else(|p| p.into_inner());
                         }
+                        jobs.batch(Instant::now())
+                    };
+                    if batch.is_empty() {
+                        continue;
                     }
                     let texts: Vec<&str> = batch.iter().map(|j| j.text.as_str()).collect();
-                    match embedding.embed(&texts, Some(batch.len())) {
-                        Ok(vectors) => {
+                    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        embedding.embed(&texts, Some(batch.len()))
+                    }));
+                    match outcome {
+                        Ok(Ok(vectors)) => {
                             for (job, vector) in batch.iter().zip(vectors) {
                                 let _ = job.reply.send(Ok(unit(vector)));
                             }
                         }
-                        Err(e) => {
+                        Ok(Err(e)) => {
                             for job in &batch {
                                 let _ = job.reply.send(Err(format!("embedding failed: {e}")));
                             }
+                        }
+                        Err(_) => {
+                            let mut jobs = worker.jobs.lock().unwrap_or_else(|p| p.into_inner());
+                            jobs.stopped = true;
+                            tracing::error!("the embedding model panicked; embeddings are off until restart");
+                            return;
                         }
                     }
                 }
             })
             .map_err(|e| EmbeddingError::Load(format!("cannot start the embedding thread: {e}")))?;
-        Ok(Self { jobs })
+        Ok(Self { queue })
     }
 }
 
 impl Embedder for MiniLm {
-    fn embed(&self, text: &str) -> Result<Vec<f32>, String> {
+    fn embed(&self, owner: &str, text: &str, max_wait: Duration) -> Result<Vec<f32>, String> {
         let (reply, answer) = mpsc::channel();
         let mut cut = text.len().min(MAX_TEXT_BYTES);
         while !text.is_char_boundary(cut) {
             cut -= 1;
         }
-        self.jobs.try_send(Job { text: text[..cut].to_string(), reply }).map_err(|e| match e {
-            mpsc::TrySendError::Full(_) => format!("the embedding queue is full ({QUEUE_DEPTH} texts waiting)"),
-            mpsc::TrySendError::Disconnected(_) => "the embedding thread has stopped".to_string(),
-        })?;
-        answer.recv().map_err(|_| "the embedding thread has stopped".to_string())?
+        let queued = Instant::now();
+        let job = Job { text: text[..cut].to_string(), queued, give_up: queued + max_wait, reply };
+        self.queue.jobs.lock().unwrap_or_else(|p| p.into_inner()).push(owner, job)?;
+        self.queue.ready.notify_one();
+        match answer.recv_timeout(max_wait + COMPUTE_GRACE) {
+            Ok(result) => result,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                Err(format!("the embedding model did not answer within {:?}", max_wait + COMPUTE_GRACE))
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err("the embedding thread has stopped".to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(give_up_in: Duration) -> (Job, mpsc::Receiver<Result<Vec<f32>, String>>) {
+        let (reply, answer) = mpsc::channel();
+        let now = Instant::now();
+        (Job { text: String::new(), queued: now, give_up: now + give_up_in, reply }, answer)
+    }
+
+    #[test]
+    fn a_batch_takes_from_each_plugin_in_turn() {
+        let mut queue = FairQueue::default();
+        let mut answers = Vec::new();
+        for i in 0..40 {
+            let (j, a) = job(Duration::from_secs(60));
+            answers.push(a);
+            queue.push("flood", Job { text: format!("flood {i}"), ..j }).unwrap();
+        }
+        let (j, _a) = job(Duration::from_secs(60));
+        queue.push("innocent", Job { text: "hello world".into(), ..j }).unwrap();
+        let batch = queue.batch(Instant::now());
+        assert_eq!(batch.len(), MAX_BATCH);
+        // The innocent text is second, behind one of the flood's, not 41st.
+        assert_eq!(batch[1].text, "hello world");
+        assert_eq!(queue.waiting, 40 - (MAX_BATCH - 1));
+    }
+
+    #[test]
+    fn one_plugin_cannot_fill_the_whole_queue() {
+        let mut queue = FairQueue::default();
+        let mut keep = Vec::new();
+        for _ in 0..OWNER_QUEUE_DEPTH {
+            let (j, a) = job(Duration::from_secs(60));
+            keep.push(a);
+            queue.push("flood", j).unwrap();
+        }
+        let (j, _a) = job(Duration::from_secs(60));
+        assert!(queue.push("flood", j).unwrap_err().contains("64 texts waiting"));
+        let (j, _b) = job(Duration::from_secs(60));
+        queue.push("innocent", j).unwrap();
+    }
+
+    #[test]
+    fn texts_nobody_waits_for_any_more_are_answered_not_embedded() {
+        let mut queue = FairQueue::default();
+        let (j, answer) = job(Duration::ZERO);
+        queue.push("p", j).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(queue.batch(Instant::now()).is_empty());
+        assert!(answer.recv().unwrap().unwrap_err().contains("busy"));
+        assert_eq!(queue.waiting, 0);
+        assert!(queue.by_owner.is_empty() && queue.turn.is_empty());
     }
 }

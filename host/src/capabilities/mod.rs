@@ -21,8 +21,9 @@ use std::sync::Arc;
 
 /// Turns text into unit-length vectors (the semantic cache's model).
 pub trait Embedder: Send + Sync {
-    /// Embeds `text`.
-    fn embed(&self, text: &str) -> Result<Vec<f32>, String>;
+    /// Embeds `text` for plugin `owner`, waiting at most `max_wait` for the
+    /// model to take it (texts are served fairly between owners).
+    fn embed(&self, owner: &str, text: &str, max_wait: std::time::Duration) -> Result<Vec<f32>, String>;
 }
 
 /// What one plugin may hold in the host's stores (its `[[plugins]]`

@@ -119,7 +119,7 @@ impl Chain {
 
     /// `admit` through the chain: the priority to run at (when a plugin set
     /// one), or the refusal of the first plugin that rejected.
-    pub async fn admit(&self, request: &Request, load: &Load) -> Result<Option<i32>, Refusal> {
+    pub async fn admit(&self, request: &Arc<Request>, load: &Load) -> Result<Option<i32>, Refusal> {
         let mut priority = None;
         for plugin in self.participants(Hook::Admit) {
             let Some(admission) = Self::guarded(plugin, |p| p.admit(request, load)).await? else { continue };
@@ -143,7 +143,7 @@ impl Chain {
     }
 
     /// `lookup` through the chain: the first hit.
-    pub async fn lookup(&self, request: &Request) -> Result<Option<ServedHit>, Refusal> {
+    pub async fn lookup(&self, request: &Arc<Request>) -> Result<Option<ServedHit>, Refusal> {
         for plugin in self.participants(Hook::Lookup) {
             let Some(LookupResult::Hit(hit)) = Self::guarded(plugin, |p| p.lookup(request)).await? else { continue };
             if Self::applies(plugin, true, Hook::Lookup) {
@@ -154,7 +154,7 @@ impl Chain {
     }
 
     /// `coalesce-key` through the chain: the first key.
-    pub async fn coalesce_key(&self, request: &Request) -> Result<Option<String>, Refusal> {
+    pub async fn coalesce_key(&self, request: &Arc<Request>) -> Result<Option<String>, Refusal> {
         for plugin in self.participants(Hook::CoalesceKey) {
             let Some(Some(key)) = Self::guarded(plugin, |p| p.coalesce_key(request)).await? else { continue };
             if Self::applies(plugin, true, Hook::CoalesceKey) {
@@ -165,7 +165,7 @@ impl Chain {
     }
 
     /// `shape` through the chain, merged; a shed is a refusal.
-    pub async fn shape(&self, request: &Request, load: &Load) -> Result<Shaping, Refusal> {
+    pub async fn shape(&self, request: &Arc<Request>, load: &Load) -> Result<Shaping, Refusal> {
         let mut merged = Shaping::none();
         let mut labels = Vec::new();
         for plugin in self.participants(Hook::Shape) {
@@ -198,7 +198,7 @@ impl Chain {
 
     /// `completed` on every plugin that declared it; faults are counted and
     /// logged, nothing is refused (the response is already sent).
-    pub async fn completed(&self, request: &Request, response: &Response, usage: &Usage) {
+    pub async fn completed(&self, request: &Arc<Request>, response: &Response, usage: &Usage) {
         for plugin in self.participants(Hook::Completed) {
             if !plugin.stats.quarantined() {
                 let _ = plugin.completed(request, response, usage).await;

@@ -9,10 +9,11 @@ use super::bindings::{
     Admission, CacheHit, Hook, Load, LookupResult, Manifest, Plugin, PluginPre, Request, Response, ScaleDecision,
     ScaleSignals, Shaping, Usage,
 };
-use super::state::PluginState;
+use super::state::{HOST_WAIT_SLACK, HostWait, PluginState};
 use super::stats::{Fault, PluginStats};
 use crate::capabilities::Capabilities;
 use crate::config::{Mode, OnFault, PluginConfig};
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -22,6 +23,11 @@ use wasmtime::{Store, Trap, UpdateDeadline};
 /// Extra time granted past the budget before an awaiting host call (e.g. a
 /// slow network store) is abandoned; CPU-bound guests are cut by the epoch.
 const HOST_CALL_GRACE: Duration = Duration::from_millis(2);
+
+/// How long plugin work that is not done at once keeps running on the
+/// caller's thread before it moves to the plugin threads (two epoch ticks
+/// at the default 500 µs).
+const INLINE_SLICE: Duration = Duration::from_millis(1);
 
 /// Longest coalescing key a plugin may return.
 const MAX_KEY_BYTES: usize = 4096;
@@ -56,6 +62,11 @@ pub struct CallSettings {
     pub max_hit_bytes: usize,
     /// Most instances of the plugin alive at once, idle or busy.
     pub max_instances: usize,
+    /// Time one call may wait on saturated host capabilities without it
+    /// counting against its budget.
+    pub host_wait: Duration,
+    /// Linear memory of all the plugin's instances together, bytes.
+    pub memory_total_bytes: usize,
 }
 
 /// One initialised instance; it holds one of the plugin's instance permits
@@ -66,15 +77,17 @@ struct Slot {
     _permit: OwnedSemaphorePermit,
 }
 
-/// What making an instance of one plugin version needs; cheap to clone into
-/// the background task that keeps the idle pool warm.
-#[derive(Clone)]
+/// What making and calling instances of one plugin version needs, shared
+/// (behind an `Arc`) with the calls and the background task that keeps the
+/// idle pool warm.
 struct Factory {
     name: Arc<str>,
     settings: CallSettings,
     config_json: Arc<str>,
     pre: PluginPre<PluginState>,
     engine: wasmtime::Engine,
+    /// The plugin threads, where instances are made and called.
+    exec: tokio::runtime::Handle,
     caps: Arc<Capabilities>,
     stats: Arc<PluginStats>,
     /// One permit per live instance (idle or busy): the plugin's own share
@@ -104,17 +117,17 @@ pub struct LoadedPlugin {
     pub stats: Arc<PluginStats>,
     hooks: [bool; 6],
     settings: CallSettings,
-    factory: Factory,
+    factory: Arc<Factory>,
 }
 
-/// One hook call with borrowed arguments.
-enum Call<'a> {
-    Admit(&'a Request, &'a Load),
-    Lookup(&'a Request),
-    CoalesceKey(&'a Request),
-    Shape(&'a Request, &'a Load),
-    Completed(&'a Request, &'a Response, &'a Usage),
-    Scale(&'a ScaleSignals),
+/// One hook call, with its arguments: it travels to the plugin threads.
+enum Call {
+    Admit(Arc<Request>, Load),
+    Lookup(Arc<Request>),
+    CoalesceKey(Arc<Request>),
+    Shape(Arc<Request>, Load),
+    Completed(Arc<Request>, Response, Usage),
+    Scale(ScaleSignals),
 }
 
 enum Answer {
@@ -126,7 +139,7 @@ enum Answer {
     Scale(ScaleDecision),
 }
 
-impl Call<'_> {
+impl Call {
     fn hook(&self) -> Hook {
         match self {
             Call::Admit(..) => Hook::Admit,
@@ -139,8 +152,8 @@ impl Call<'_> {
     }
 }
 
-async fn invoke(plugin: &Plugin, store: &mut Store<PluginState>, call: &Call<'_>) -> wasmtime::Result<Answer> {
-    Ok(match *call {
+async fn invoke(plugin: &Plugin, store: &mut Store<PluginState>, call: &Call) -> wasmtime::Result<Answer> {
+    Ok(match call {
         Call::Admit(request, load) => Answer::Admission(plugin.call_admit(&mut *store, request, *load).await?),
         Call::Lookup(request) => Answer::Lookup(plugin.call_lookup(&mut *store, request).await?),
         Call::CoalesceKey(request) => Answer::Key(plugin.call_coalesce_key(&mut *store, request).await?),
@@ -252,12 +265,80 @@ fn validate(answer: &Answer, settings: &CallSettings) -> Result<(), Fault> {
     }
 }
 
+/// Runs `work` for `limit`, plus what the call's host waits have moved its
+/// deadline by (at most `cap`; a wait in progress counts up to now); `Err`
+/// when that time passes first.
+async fn within<T>(limit: Duration, wait: &HostWait, cap: Duration, work: impl Future<Output = T>) -> Result<T, ()> {
+    let started = tokio::time::Instant::now();
+    let mut work = std::pin::pin!(work);
+    loop {
+        let (moved, waiting) = wait.moved();
+        let mut until = started + limit + moved.min(cap);
+        if waiting && moved < cap {
+            until = until.max(tokio::time::Instant::now() + Duration::from_millis(1));
+        }
+        tokio::select! {
+            // The work first: when it is done at once, no timer is ever set.
+            biased;
+            done = &mut work => return Ok(done),
+            _ = tokio::time::sleep_until(until) => {
+                let (moved, waiting) = wait.moved();
+                let end = started + limit + moved.min(cap);
+                if end <= tokio::time::Instant::now() && !(waiting && moved < cap) {
+                    return Err(());
+                }
+            }
+        }
+    }
+}
+
 impl Factory {
+    /// Makes and initialises an instance; see [`Factory::make_here`] and [`Factory::run`].
+    async fn make(self: &Arc<Self>, budget: Duration, permit: OwnedSemaphorePermit) -> Result<(Slot, Manifest), Fault> {
+        let factory = self.clone();
+        self.run(async move { factory.make_here(budget, permit).await })
+            .await
+            .unwrap_or_else(|e| Err(Fault::Instantiate(format!("the plugin threads stopped: {e}"))))
+    }
+
+    /// Runs plugin work where it costs least: on the caller's thread while
+    /// it is short (most hook calls are a few microseconds, and a hop to
+    /// another thread costs more than the call), and on the plugin threads
+    /// once it has run for [`INLINE_SLICE`] and is not done: a call that
+    /// computes for its whole budget then takes the plugin threads' time,
+    /// not the server's async workers'. The work is a boxed future, so it
+    /// moves between threads mid-call.
+    async fn run<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = T> + Send + 'static,
+    ) -> Result<T, tokio::task::JoinError> {
+        use std::task::Poll;
+        let mut work = Box::pin(work);
+        // Timed from the first time it is not done: a call that finishes at
+        // once (the common case) never reads the clock here.
+        let mut pending_since = None;
+        let inline = std::future::poll_fn(|cx| match work.as_mut().poll(cx) {
+            Poll::Ready(done) => Poll::Ready(Some(done)),
+            Poll::Pending => match pending_since {
+                None => {
+                    pending_since = Some(Instant::now());
+                    Poll::Pending
+                }
+                Some(since) if since.elapsed() >= INLINE_SLICE => Poll::Ready(None),
+                Some(_) => Poll::Pending,
+            },
+        });
+        match inline.await {
+            Some(done) => Ok(done),
+            None => self.exec.spawn(work).await,
+        }
+    }
+
     /// Makes and initialises an instance whose `init` must finish within
     /// `budget`, holding `permit`.
-    async fn make(&self, budget: Duration, permit: OwnedSemaphorePermit) -> Result<(Slot, Manifest), Fault> {
-        let state =
-            PluginState::new(self.name.clone(), self.settings.memory_bytes, self.caps.clone(), self.stats.clone());
+    async fn make_here(&self, budget: Duration, permit: OwnedSemaphorePermit) -> Result<(Slot, Manifest), Fault> {
+        let memory = (self.settings.memory_bytes, self.settings.memory_total_bytes);
+        let state = PluginState::new(self.name.clone(), memory, self.caps.clone(), self.stats.clone());
         let mut store = Store::new(&self.engine, state);
         store.limiter(|state| &mut state.cap);
         store.epoch_deadline_callback(|ctx| {
@@ -268,13 +349,17 @@ impl Factory {
             }
         });
         store.data_mut().deadline = Instant::now() + budget;
+        store.data_mut().host_wait_left = self.settings.host_wait + HOST_WAIT_SLACK;
         store.set_epoch_deadline(1);
+        let wait = store.data().wait.clone();
+        wait.reset();
         let started = async {
             let plugin = self.pre.instantiate_async(&mut store).await?;
             let manifest = plugin.call_init(&mut store, &self.config_json).await?;
             wasmtime::Result::Ok((plugin, manifest))
         };
-        let outcome = tokio::time::timeout(budget + HOST_CALL_GRACE, started).await;
+        let cap = self.settings.host_wait + HOST_WAIT_SLACK;
+        let outcome = within(budget + HOST_CALL_GRACE, &wait, cap, started).await;
         let (plugin, manifest) = match outcome {
             Err(_) => return Err(Fault::Instantiate(format!("init ran past its budget of {budget:?}"))),
             Ok(Err(error)) => {
@@ -295,8 +380,8 @@ impl Factory {
     fn classify(&self, error: &wasmtime::Error, store: &Store<PluginState>) -> Fault {
         if let Some(full) = error.downcast_ref::<wasmtime::PoolConcurrencyLimitError>() {
             Fault::HostBusy(full.to_string())
-        } else if store.data().cap.exceeded {
-            Fault::OverMemory(self.settings.memory_bytes as u64 >> 20)
+        } else if let Some(cap) = store.data().cap.exceeded {
+            Fault::OverMemory(cap as u64 >> 20)
         } else if matches!(error.downcast_ref::<Trap>(), Some(Trap::Interrupt)) {
             Fault::Deadline(self.settings.budget)
         } else {
@@ -331,7 +416,7 @@ impl Factory {
     /// under its own budget: a slow `init` runs here, not on a request's
     /// path. One warmer per plugin version at a time; a failure counts as a
     /// fault and ends the round.
-    fn warm(&self) {
+    fn warm(self: &Arc<Self>) {
         if self.settings.max_idle == 0 || self.retired.load(Ordering::Acquire) {
             return;
         }
@@ -346,11 +431,11 @@ impl Factory {
             return;
         }
         let factory = self.clone();
-        tokio::spawn(async move {
+        self.exec.spawn(async move {
             while factory.idle_count() < factory.settings.max_idle && !factory.retired.load(Ordering::Acquire) {
                 let Ok(permit) = factory.live.clone().try_acquire_owned() else { break };
                 let started = Instant::now();
-                match factory.make(factory.settings.init_budget, permit).await {
+                match factory.make_here(factory.settings.init_budget, permit).await {
                     Ok((slot, _)) => {
                         factory.put_back(slot);
                         if let Ok(mut failures) = factory.warm_failures.lock() {
@@ -390,7 +475,7 @@ impl LoadedPlugin {
         config: PluginConfig,
         version: String,
         pre: PluginPre<PluginState>,
-        engine: wasmtime::Engine,
+        (engine, exec): (wasmtime::Engine, tokio::runtime::Handle),
         caps: Arc<Capabilities>,
         settings: CallSettings,
         stats: Arc<PluginStats>,
@@ -399,12 +484,13 @@ impl LoadedPlugin {
             serde_json::to_string(&config.config).map_err(|e| format!("config is not valid JSON: {e}"))?;
         stats.logs.set_rate(config.log_lines_per_sec);
         let name: Arc<str> = Arc::from(config.name.as_str());
-        let factory = Factory {
+        let factory = Arc::new(Factory {
             name: name.clone(),
             settings: settings.clone(),
             config_json: Arc::from(config_json),
             pre,
             engine,
+            exec,
             caps,
             stats: stats.clone(),
             live: Arc::new(Semaphore::new(settings.max_instances.max(1))),
@@ -413,7 +499,7 @@ impl LoadedPlugin {
             warming: Arc::default(),
             warm_failures: Arc::default(),
             retired: Arc::default(),
-        };
+        });
         let permit = factory.live.clone().try_acquire_owned().map_err(|e| e.to_string())?;
         let (slot, manifest) = factory.make(settings.init_budget, permit).await.map_err(|fault| match fault {
             Fault::Instantiate(message) => message,
@@ -448,10 +534,10 @@ impl LoadedPlugin {
         self.factory.idle_count()
     }
 
-    async fn call(&self, call: Call<'_>) -> Result<Answer, Fault> {
+    async fn call(&self, call: Call) -> Result<Answer, Fault> {
         let hook = call.hook();
         let started = Instant::now();
-        let outcome = self.call_inner(&call).await;
+        let outcome = self.call_inner(call).await;
         let tipped = self.stats.record(hook, started.elapsed(), outcome.as_ref().err(), self.settings.quarantine_after);
         if let Err(fault) = &outcome
             && self.stats.fault_logs.admit() == super::logs::Verdict::Write
@@ -513,62 +599,73 @@ impl LoadedPlugin {
         }
     }
 
-    async fn call_inner(&self, call: &Call<'_>) -> Result<Answer, Fault> {
+    async fn call_inner(&self, call: Call) -> Result<Answer, Fault> {
         // One budget for the whole call: waiting for an instance, a new
         // instance's `init`, and the hook itself.
         let budget = self.settings.budget;
         let deadline = Instant::now() + budget;
         let mut slot = self.instance(deadline).await?;
-        slot.store.data_mut().deadline = deadline;
-        slot.store.set_epoch_deadline(1);
-        let left = deadline.saturating_duration_since(Instant::now());
-        let answer =
-            match tokio::time::timeout(left + HOST_CALL_GRACE, invoke(&slot.plugin, &mut slot.store, call)).await {
+        let factory = self.factory.clone();
+        // The call puts its instance back itself: once on the plugin
+        // threads, it ends the same way if the request goes away.
+        let answer = self.factory.run(async move {
+            slot.store.data_mut().deadline = deadline;
+            let cap = factory.settings.host_wait + HOST_WAIT_SLACK;
+            slot.store.data_mut().host_wait_left = cap;
+            slot.store.set_epoch_deadline(1);
+            let wait = slot.store.data().wait.clone();
+            wait.reset();
+            let left = deadline.saturating_duration_since(Instant::now());
+            let call = invoke(&slot.plugin, &mut slot.store, &call);
+            let answer = match within(left + HOST_CALL_GRACE, &wait, cap, call).await {
                 Err(_) => return Err(Fault::Deadline(budget)),
-                Ok(Err(error)) => return Err(self.factory.classify(&error, &slot.store)),
+                Ok(Err(error)) => return Err(factory.classify(&error, &slot.store)),
                 Ok(Ok(answer)) => answer,
             };
-        // The instance is sound even when its decision is not.
-        self.factory.put_back(slot);
+            // The instance is sound even when its decision is not.
+            factory.put_back(slot);
+            Ok(answer)
+        });
+        let answer = answer.await.unwrap_or_else(|e| Err(Fault::Trap(format!("the plugin threads stopped: {e}"))))?;
         validate(&answer, &self.settings)?;
         Ok(answer)
     }
 
     /// Calls `admit`.
-    pub async fn admit(&self, request: &Request, load: &Load) -> Result<Admission, Fault> {
-        match self.call(Call::Admit(request, load)).await? {
+    pub async fn admit(&self, request: &Arc<Request>, load: &Load) -> Result<Admission, Fault> {
+        match self.call(Call::Admit(request.clone(), *load)).await? {
             Answer::Admission(a) => Ok(a),
             _ => unreachable!("admit answers with an admission"),
         }
     }
 
     /// Calls `lookup`.
-    pub async fn lookup(&self, request: &Request) -> Result<LookupResult, Fault> {
-        match self.call(Call::Lookup(request)).await? {
+    pub async fn lookup(&self, request: &Arc<Request>) -> Result<LookupResult, Fault> {
+        match self.call(Call::Lookup(request.clone())).await? {
             Answer::Lookup(l) => Ok(l),
             _ => unreachable!("lookup answers with a lookup result"),
         }
     }
 
     /// Calls `coalesce-key`.
-    pub async fn coalesce_key(&self, request: &Request) -> Result<Option<String>, Fault> {
-        match self.call(Call::CoalesceKey(request)).await? {
+    pub async fn coalesce_key(&self, request: &Arc<Request>) -> Result<Option<String>, Fault> {
+        match self.call(Call::CoalesceKey(request.clone())).await? {
             Answer::Key(k) => Ok(k),
             _ => unreachable!("coalesce-key answers with a key"),
         }
     }
 
     /// Calls `shape`.
-    pub async fn shape(&self, request: &Request, load: &Load) -> Result<Shaping, Fault> {
-        match self.call(Call::Shape(request, load)).await? {
+    pub async fn shape(&self, request: &Arc<Request>, load: &Load) -> Result<Shaping, Fault> {
+        match self.call(Call::Shape(request.clone(), *load)).await? {
             Answer::Shaping(s) => Ok(s),
             _ => unreachable!("shape answers with a shaping"),
         }
     }
 
     /// Calls `completed`.
-    pub async fn completed(&self, request: &Request, response: &Response, usage: &Usage) -> Result<(), Fault> {
-        match self.call(Call::Completed(request, response, usage)).await? {
+    pub async fn completed(&self, request: &Arc<Request>, response: &Response, usage: &Usage) -> Result<(), Fault> {
+        match self.call(Call::Completed(request.clone(), response.clone(), *usage)).await? {
             Answer::Done => Ok(()),
             _ => unreachable!("completed answers with nothing"),
         }
@@ -576,7 +673,7 @@ impl LoadedPlugin {
 
     /// Calls `scale`.
     pub async fn scale(&self, signals: &ScaleSignals) -> Result<ScaleDecision, Fault> {
-        match self.call(Call::Scale(signals)).await? {
+        match self.call(Call::Scale(*signals)).await? {
             Answer::Scale(d) => Ok(d),
             _ => unreachable!("scale answers with a decision"),
         }

@@ -80,8 +80,7 @@ impl Reloader {
                 continue;
             }
             let stats = self.stats_for(&config.name);
-            let plugin: LoadedPlugin = self.runtime.load(&config, bytes, stats.clone()).await?;
-            let _ = stats.reset_quarantine();
+            let plugin: LoadedPlugin = self.runtime.load(&config, bytes, stats).await?;
             tracing::info!(plugin = config.name, version = plugin.version, hooks = ?plugin.manifest.hooks, "plugin loaded");
             reloaded.push(config.name.clone());
             plugins.push(Arc::new(plugin));
@@ -97,6 +96,13 @@ impl Reloader {
                 let versions = chain.plugins().iter().map(|p| (p.name.to_string(), p.version.clone())).collect();
                 if !reloaded.is_empty() {
                     self.policies.swap(chain);
+                    // Only now, with every new version serving: a reload that
+                    // failed part-way leaves the old versions and their quarantines.
+                    for name in &reloaded {
+                        if self.stats_for(name).reset_quarantine() {
+                            tracing::info!(plugin = name, "quarantine lifted: a new version was loaded");
+                        }
+                    }
                 }
                 Ok(ReloadReport { versions, reloaded })
             }

@@ -58,6 +58,45 @@ pub struct PluginRuntime {
     linker: Linker<PluginState>,
     caps: Arc<Capabilities>,
     settings: PluginRuntimeConfig,
+    exec: Executor,
+}
+
+/// The threads plugin code runs on, apart from the server's async workers:
+/// a plugin that spends its whole budget computing, at full concurrency,
+/// takes these threads' time, not the time of requests that never call it.
+/// The operating system shares the cores between the two, and the server's
+/// mostly idle workers are scheduled first when they wake.
+pub struct Executor {
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl Executor {
+    /// `threads` workers named `levee-plugin`.
+    pub fn new(threads: usize) -> std::io::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads.max(1))
+            .thread_name("levee-plugin")
+            .enable_all()
+            .build()?;
+        Ok(Self { runtime: Some(runtime) })
+    }
+
+    /// Where plugin work is spawned.
+    pub fn handle(&self) -> tokio::runtime::Handle {
+        match &self.runtime {
+            Some(runtime) => runtime.handle().clone(),
+            None => unreachable!("the executor's runtime lives until it is dropped"),
+        }
+    }
+}
+
+impl Drop for Executor {
+    fn drop(&mut self) {
+        // Dropped from async code too (a reload, a test): do not block.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
 }
 
 /// A component's version: the first 16 hex digits of its SHA-256.
@@ -94,7 +133,13 @@ impl PluginRuntime {
 
         spawn_epoch_ticker(&engine, Duration::from_micros(settings.epoch_tick_us))
             .map_err(|e| PluginError::Engine(format!("cannot start the epoch ticker: {e}")))?;
-        Ok(Self { engine, linker, caps, settings: settings.clone() })
+        let threads = match settings.threads {
+            0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
+            n => n,
+        };
+        let exec =
+            Executor::new(threads).map_err(|e| PluginError::Engine(format!("cannot start the plugin threads: {e}")))?;
+        Ok(Self { engine, linker, caps, settings: settings.clone(), exec })
     }
 
     /// The shared host capabilities.
@@ -138,11 +183,22 @@ impl PluginRuntime {
             quarantine_after: self.settings.quarantine_after,
             max_hit_bytes: self.settings.max_hit_bytes,
             max_instances: config.max_instances,
+            host_wait: Duration::from_millis(self.settings.host_wait_ms),
+            memory_total_bytes: (config.memory_total_mib() as usize) << 20,
         };
         self.caps.set_plugin_bounds(&config.name, config.bounds());
-        LoadedPlugin::start(config.clone(), version, pre, self.engine.clone(), self.caps.clone(), settings, stats)
-            .await
-            .map_err(|message| PluginError::Init { name: config.name.clone(), message })
+        let exec = self.exec.handle();
+        LoadedPlugin::start(
+            config.clone(),
+            version,
+            pre,
+            (self.engine.clone(), exec),
+            self.caps.clone(),
+            settings,
+            stats,
+        )
+        .await
+        .map_err(|message| PluginError::Init { name: config.name.clone(), message })
     }
 }
 

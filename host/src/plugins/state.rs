@@ -4,24 +4,39 @@
 use super::bindings::{embeddings, kv, metrics, ratelimit, runtime, types, vectors};
 use crate::capabilities::Capabilities;
 use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 use wasmtime::component::ResourceTable;
 use wasmtime::{ResourceLimiter, StoreLimits, StoreLimitsBuilder};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
-/// The memory cap of one instance, which remembers that it refused growth so
-/// that the resulting trap is reported as over-memory, not as a plain trap.
+/// The memory cap of one instance, and its share of the plugin's total:
+/// it remembers that it refused growth so that the resulting trap is
+/// reported as over-memory, not as a plain trap.
 pub struct MemoryCap {
     limits: StoreLimits,
-    /// Set when a growth past the cap was refused.
-    pub exceeded: bool,
+    instance_max: usize,
+    /// Linear memory of all the plugin's instances together, and its bound.
+    total: Arc<AtomicUsize>,
+    total_max: usize,
+    /// What this instance adds to `total`.
+    held: usize,
+    /// Set when a growth past the cap was refused: the cap, in bytes.
+    pub exceeded: Option<usize>,
 }
 
 impl MemoryCap {
-    /// A cap of `bytes` of linear memory, trapping on a refused growth.
-    pub fn new(bytes: usize) -> Self {
+    /// A cap of `bytes` of linear memory for this instance and of
+    /// `total_max` for all those counted in `total`, trapping on a refused growth.
+    pub fn new(bytes: usize, total: Arc<AtomicUsize>, total_max: usize) -> Self {
         let limits = StoreLimitsBuilder::new().memory_size(bytes).trap_on_grow_failure(true).build();
-        Self { limits, exceeded: false }
+        Self { limits, instance_max: bytes, total, total_max, held: 0, exceeded: None }
+    }
+}
+
+impl Drop for MemoryCap {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.held, Ordering::Relaxed);
     }
 }
 
@@ -29,13 +44,77 @@ impl ResourceLimiter for MemoryCap {
     fn memory_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
         let verdict = self.limits.memory_growing(current, desired, maximum);
         if !matches!(verdict, Ok(true)) {
-            self.exceeded = true;
+            self.exceeded = Some(self.instance_max);
+            return verdict;
         }
-        verdict
+        let grow = desired.saturating_sub(current);
+        let max = self.total_max;
+        if self
+            .total
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| t.checked_add(grow).filter(|n| *n <= max))
+            .is_err()
+        {
+            self.exceeded = Some(max);
+            wasmtime::bail!(
+                "the plugin's instances together would hold more than memory-total-mib ({} MiB)",
+                max >> 20
+            );
+        }
+        self.held += grow;
+        Ok(true)
     }
 
     fn table_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
         self.limits.table_growing(current, desired, maximum)
+    }
+}
+
+/// Of a call's host-wait allowance, what is kept for the capability's own
+/// work once it has waited its turn (an embedding after its queue wait).
+pub const HOST_WAIT_SLACK: Duration = Duration::from_millis(250);
+
+/// The host waits of one call: what they have moved its deadline by, and
+/// when the one in progress began. The call's timeout reads it while the
+/// call runs, so that a wait in progress does not cut the call.
+#[derive(Default)]
+pub struct HostWait {
+    extended_us: AtomicU64,
+    /// Microseconds since [`origin`] plus one when a wait began; 0 when none is in progress.
+    since_us: AtomicU64,
+}
+
+fn origin() -> Instant {
+    static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *ORIGIN.get_or_init(Instant::now)
+}
+
+impl HostWait {
+    /// Forgets the last call's waits.
+    pub fn reset(&self) {
+        self.extended_us.store(0, Ordering::Relaxed);
+        self.since_us.store(0, Ordering::Relaxed);
+    }
+
+    fn begin(&self) {
+        self.since_us.store(origin().elapsed().as_micros() as u64 + 1, Ordering::Relaxed);
+    }
+
+    fn end(&self, excused: Duration) {
+        self.since_us.store(0, Ordering::Relaxed);
+        self.extended_us.fetch_add(excused.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// How far the call's deadline has moved, counting a wait in progress
+    /// up to now; and whether one is in progress.
+    pub fn moved(&self) -> (Duration, bool) {
+        let extended = Duration::from_micros(self.extended_us.load(Ordering::Relaxed));
+        match self.since_us.load(Ordering::Relaxed) {
+            0 => (extended, false),
+            since => {
+                let now = origin().elapsed().as_micros() as u64 + 1;
+                (extended + Duration::from_micros(now.saturating_sub(since)), true)
+            }
+        }
     }
 }
 
@@ -50,6 +129,11 @@ pub struct PluginState {
     pub cap: MemoryCap,
     /// When the current call must be done.
     pub deadline: Instant,
+    /// Time the current call may still spend waiting on a saturated host
+    /// capability without it counting against its budget.
+    pub host_wait_left: Duration,
+    /// The current call's host waits, read by the caller's timeout while it runs.
+    pub wait: Arc<HostWait>,
     caps: Arc<Capabilities>,
     stats: Arc<super::stats::PluginStats>,
     wasi: WasiCtx,
@@ -57,18 +141,21 @@ pub struct PluginState {
 }
 
 impl PluginState {
-    /// State for an instance of `plugin` capped at `memory_bytes`; `stats`
-    /// are the plugin's (its log rate among them).
+    /// State for an instance of `plugin` capped at `memory_bytes`, whose
+    /// instances together hold at most `memory_total_bytes`; `stats` are
+    /// the plugin's (its log rate and memory held among them).
     pub fn new(
         plugin: Arc<str>,
-        memory_bytes: usize,
+        (memory_bytes, memory_total_bytes): (usize, usize),
         caps: Arc<Capabilities>,
         stats: Arc<super::stats::PluginStats>,
     ) -> Self {
         Self {
             plugin,
-            cap: MemoryCap::new(memory_bytes),
+            cap: MemoryCap::new(memory_bytes, stats.memory.clone(), memory_total_bytes),
             deadline: Instant::now(),
+            host_wait_left: Duration::ZERO,
+            wait: Arc::default(),
             caps,
             stats,
             // Nothing is granted: no files, no network, no environment, no stdio.
@@ -163,9 +250,20 @@ impl embeddings::Host for PluginState {
         let Some(embedder) = self.caps.embedder.clone() else {
             return Err("no embedding model is configured on this host".to_string());
         };
-        tokio::task::spawn_blocking(move || embedder.embed(&text))
+        // The model is shared: time spent waiting for it (behind other
+        // plugins' texts, or a full blocking pool) moves this call's
+        // deadline rather than counting against its budget, up to the
+        // call's host-wait allowance, and is reported on its own.
+        let (owner, started) = (self.plugin.clone(), Instant::now());
+        // The queue wait ends early enough to leave time for the embedding itself.
+        let queue_wait = self.host_wait_left.saturating_sub(HOST_WAIT_SLACK);
+        self.wait.begin();
+        let result = tokio::task::spawn_blocking(move || embedder.embed(&owner, &text, queue_wait))
             .await
-            .map_err(|e| format!("embedding failed: {e}"))?
+            .map_err(|e| format!("embedding failed: {e}"))
+            .and_then(|r| r);
+        self.excuse(started.elapsed());
+        result
     }
 }
 
@@ -193,6 +291,16 @@ impl vectors::Host for PluginState {
 }
 
 impl PluginState {
+    /// Moves the deadline by `waited` (at most what is left of the call's
+    /// host-wait allowance) and counts it as host wait.
+    fn excuse(&mut self, waited: Duration) {
+        let waited = waited.min(self.host_wait_left);
+        self.host_wait_left -= waited;
+        self.deadline += waited;
+        self.wait.end(waited);
+        self.stats.record_host_wait(waited);
+    }
+
     /// Logs a host warning about this plugin under its log rate, so that a
     /// plugin cannot make the host write without bound either.
     fn warn_limited(&self, message: &str) {

@@ -70,6 +70,10 @@ pub struct PluginStats {
     pub logs: super::logs::LogLimit,
     /// The rate of host warnings about the plugin's faults.
     pub fault_logs: super::logs::LogLimit,
+    /// Time its calls waited on saturated host capabilities, microseconds.
+    host_wait_us: AtomicU64,
+    /// Linear memory its instances hold together, bytes.
+    pub memory: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Default for PluginStats {
@@ -85,6 +89,8 @@ impl Default for PluginStats {
             quarantined: AtomicBool::new(false),
             logs: Default::default(),
             fault_logs: super::logs::LogLimit::with_rate(5.0),
+            host_wait_us: AtomicU64::new(0),
+            memory: Default::default(),
         }
     }
 }
@@ -126,6 +132,16 @@ impl PluginStats {
         if let Some(kind) = fault.kind() {
             self.faults[kind].fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Counts time a call waited on a saturated host capability (not charged to its budget).
+    pub fn record_host_wait(&self, waited: Duration) {
+        self.host_wait_us.fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// Time calls waited on saturated host capabilities.
+    pub fn host_wait(&self) -> Duration {
+        Duration::from_micros(self.host_wait_us.load(Ordering::Relaxed))
     }
 
     /// Counts a shadow-mode decision that would have changed the outcome.

@@ -19,7 +19,11 @@
 //! before answering, and with `"call_spin_ms": N` every hook call does. With `"fault_every": N`, every Nth hook call (counted
 //! in the host key `faults`) traps. With `"kv_set_bytes": N`, every call
 //! stores a new N-byte value; with `"bucket_flood": N`, every call takes
-//! from N new token buckets.
+//! from N new token buckets; with `"vector_flood": N`, every call inserts
+//! into N new vector namespaces. With `"embed": N`, every call embeds N
+//! texts (`embed_text`, default "hello world") and counts the failures in
+//! the host key `embed_errors`. With `"hold_bytes": N`, every call keeps
+//! N more bytes of the instance's memory for as long as it lives.
 //!
 //! With `bucket`, `admit` takes one token from the host's bucket of the
 //! request's tenant. With `count`, every call adds one to the host key
@@ -30,6 +34,11 @@ use levee_plugin_sdk::{
     Admission, CacheHit, Hook, Load, LookupResult, Policy, Rejection, Request, Response, ScaleDecision, ScaleSignals,
     Shaping, Usage, export, host,
 };
+
+thread_local! {
+    /// What `hold_bytes` keeps.
+    static HELD: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 struct Scripted {
     config: Value,
@@ -69,6 +78,18 @@ impl Scripted {
         for i in 0..self.config["bucket_flood"].as_u64().unwrap_or(0) {
             let n = host::kv_incr("buckets", 1, 0).unwrap_or(0);
             let _ = host::token_bucket(&format!("flood:{n}:{i}"), 1.0, 0.0, 1.0);
+        }
+        for i in 0..self.config["vector_flood"].as_u64().unwrap_or(0) {
+            let n = host::kv_incr("namespaces", 1, 0).unwrap_or(0);
+            let _ = host::vector_insert(&format!("flood:{n}:{i}"), &[1.0, 0.0], b"x", 0);
+        }
+        for _ in 0..self.config["embed"].as_u64().unwrap_or(0) {
+            if host::embed(self.config["embed_text"].as_str().unwrap_or("hello world")).is_err() {
+                let _ = host::kv_incr("embed_errors", 1, 0);
+            }
+        }
+        if let Some(bytes) = self.config["hold_bytes"].as_u64() {
+            HELD.with(|held| held.borrow_mut().push(vec![1u8; bytes as usize]));
         }
         if let Some(every) = self.config["fault_every"].as_i64().filter(|n| *n > 0) {
             let n = host::kv_incr("faults", 1, 0).unwrap_or(0);
