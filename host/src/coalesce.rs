@@ -11,15 +11,12 @@
 //! died or gave up) generates by itself; since only deterministic requests
 //! are coalesced, it skips the tokens it already relayed and carries on.
 
-use crate::capabilities::shared::SharedState;
+use crate::state::flights::{Claim, FlightStats, FlightStreams};
 use levee_gpu::{Completion, EngineError, FinishReason, GeneratedToken, Logprobs, TokenEvent, TokenStream};
 use levee_gpu::{Timing, Usage};
-use redis::AsyncCommands;
-use redis::streams::{StreamReadOptions, StreamReadReply};
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, mpsc};
@@ -88,14 +85,12 @@ impl Drop for Subscription {
 
 /// Flights of other replicas, through Redis.
 pub struct Remote {
-    /// The shared state's Redis.
-    pub shared: Arc<SharedState>,
+    /// Where flights travel.
+    pub streams: FlightStreams,
     /// Longest wait for the owner's next event before generating here.
     pub follow_timeout: Duration,
-    /// Flights followed from another replica.
-    pub followed: AtomicU64,
-    /// Followed flights that had to be generated here after all.
-    pub taken_over: AtomicU64,
+    /// Counters for `/metrics`.
+    pub stats: FlightStats,
 }
 
 /// How this request got its flight.
@@ -156,10 +151,10 @@ impl Flights {
             (flight, remote)
         };
         let subscription = Subscription::new(flight.clone());
-        let wire = remote.wire_key(key);
-        match remote.claim(&wire).await {
+        let wire = remote.streams.wire_key(key);
+        match remote.streams.claim(&wire).await {
             Claim::Follow => {
-                remote.followed.fetch_add(1, Ordering::Relaxed);
+                remote.stats.followed.fetch_add(1, Ordering::Relaxed);
                 tokio::spawn(follow(self.clone(), key.to_string(), flight, wire, start));
                 Ok((subscription, Role::Follower))
             }
@@ -172,7 +167,7 @@ impl Flights {
                     }
                     Err(e) => {
                         if publish.is_some() {
-                            remote.abandon(&wire).await;
+                            remote.streams.abandon(&wire, r#"{"abandoned":true}"#).await;
                         }
                         self.finish(key, &flight, Some(Err(e.clone())));
                         Err(e)
@@ -215,75 +210,10 @@ impl Flight {
     }
 }
 
-/// The outcome of claiming a key across replicas.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Claim {
-    /// This replica generates and publishes.
-    Owner,
-    /// Another replica generates; follow it.
-    Follow,
-    /// Redis is unreachable: generate here without publishing.
-    Alone,
-}
-
 impl Remote {
-    /// A follower waits this long for the owner's next event.
-    pub fn new(shared: Arc<SharedState>, follow_timeout: Duration) -> Self {
-        Self { shared, follow_timeout, followed: AtomicU64::new(0), taken_over: AtomicU64::new(0) }
-    }
-
-    fn wire_key(&self, key: &str) -> String {
-        let digest = Sha256::digest(key.as_bytes());
-        let hex: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
-        self.shared.key("flight", &hex)
-    }
-
-    fn lease_ms(&self) -> u64 {
-        (self.follow_timeout.as_millis() as u64).max(1000)
-    }
-
-    async fn claim(&self, wire: &str) -> Claim {
-        let claim = format!("{wire}:owner");
-        let (claim, me, lease) = (&claim, &self.shared.replica, self.lease_ms());
-        let taken: Result<Option<String>, _> = self
-            .shared
-            .call("flight.claim", |mut c| async move {
-                redis::cmd("SET").arg(claim).arg(me).arg("NX").arg("PX").arg(lease).query_async(&mut c).await
-            })
-            .await;
-        match taken {
-            Ok(Some(_)) => Claim::Owner,
-            Ok(None) => Claim::Follow,
-            Err(_) => Claim::Alone,
-        }
-    }
-
-    /// Tells followers this replica will not finish the flight, so they generate themselves.
-    async fn abandon(&self, wire: &str) {
-        let mut pipe = redis::pipe();
-        pipe.cmd("XADD").arg(wire).arg("*").arg("e").arg(r#"{"abandoned":true}"#).ignore();
-        pipe.cmd("PEXPIRE").arg(wire).arg(self.lease_ms() * 4).ignore();
-        pipe.cmd("DEL").arg(format!("{wire}:owner")).ignore();
-        let pipe = &pipe;
-        let _ = self.shared.call("flight.abandon", |mut c| async move { pipe.query_async::<()>(&mut c).await }).await;
-    }
-
-    /// Appends `events` to the flight's stream and renews the owner's lease;
-    /// after the last event, lets the stream expire and drops the claim.
-    async fn publish(&self, wire: &str, events: &[Value], last: bool) {
-        let mut pipe = redis::pipe();
-        for event in events {
-            pipe.cmd("XADD").arg(wire).arg("*").arg("e").arg(event.to_string()).ignore();
-        }
-        pipe.cmd("PEXPIRE").arg(wire).arg(self.lease_ms() * 4).ignore();
-        let owner = format!("{wire}:owner");
-        if last {
-            pipe.cmd("DEL").arg(&owner).ignore();
-        } else {
-            pipe.cmd("PEXPIRE").arg(&owner).arg(self.lease_ms()).ignore();
-        }
-        let pipe = &pipe;
-        let _ = self.shared.call("flight.publish", |mut c| async move { pipe.query_async::<()>(&mut c).await }).await;
+    /// Flights through `redis`; a follower waits `follow_timeout` for the owner's next event.
+    pub fn new(redis: Arc<crate::state::RedisState>, follow_timeout: Duration) -> Self {
+        Self { streams: FlightStreams::new(redis, follow_timeout), follow_timeout, stats: FlightStats::default() }
     }
 }
 
@@ -351,8 +281,7 @@ fn decode(value: &Value) -> Option<Result<TokenEvent, ()>> {
 /// owner stalls past the follow timeout or gives up.
 async fn follow(flights: Arc<Flights>, key: String, flight: Arc<Flight>, wire: String, start: Start) {
     let Some(remote) = flights.remote() else { return };
-    let config = redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(5)));
-    let mut conn = remote.shared.client().get_multiplexed_async_connection_with_config(&config).await.ok();
+    let mut reader = remote.streams.reader().await;
     let mut last = "0-0".to_string();
     let mut relayed = 0usize;
     let mut progress = Instant::now();
@@ -366,23 +295,15 @@ async fn follow(flights: Arc<Flights>, key: String, flight: Arc<Flight>, wire: S
         if abandoned || progress.elapsed() >= remote.follow_timeout {
             break;
         }
-        let Some(c) = conn.as_mut() else { break };
-        let options = StreamReadOptions::default().block(block.as_millis() as usize).count(256);
-        let reply: redis::RedisResult<Option<StreamReadReply>> = c.xread_options(&[&wire], &[&last], &options).await;
-        let Ok(reply) = reply else { break };
-        for id in reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids) {
-            last = id.id.clone();
+        let Some(r) = reader.as_mut() else { break };
+        let Ok(events) = r.read(&wire, &mut last, block).await else { break };
+        if !events.is_empty() {
             progress = Instant::now();
+        }
+        for text in events {
             // An event this replica cannot read would leave a gap in the
             // relayed tokens: stop following and generate here instead.
-            let text = match id.map.get("e") {
-                Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
-                _ => {
-                    abandoned = true;
-                    break;
-                }
-            };
-            let Some(event) = serde_json::from_str(&text).ok().as_ref().and_then(decode) else {
+            let Some(event) = text.and_then(|t| serde_json::from_str(&t).ok()).as_ref().and_then(decode) else {
                 abandoned = true;
                 break;
             };
@@ -404,7 +325,7 @@ async fn follow(flights: Arc<Flights>, key: String, flight: Arc<Flight>, wire: S
         }
     }
     // The owner is gone or stalled: generate here, skipping what was relayed.
-    remote.taken_over.fetch_add(1, Ordering::Relaxed);
+    remote.stats.taken_over.fetch_add(1, Ordering::Relaxed);
     tracing::info!(relayed, "coalesced flight taken over from another replica");
     match start() {
         Ok(stream) => drive(flights, key, flight, stream, relayed, None).await,
@@ -483,7 +404,8 @@ async fn publish_events(flights: Arc<Flights>, wire: String, mut rx: mpsc::Unbou
     let mut batch = Vec::new();
     while rx.recv_many(&mut batch, 256).await > 0 {
         let last = batch.iter().any(|e| e.get("finished").is_some() || e.get("abandoned").is_some());
-        remote.publish(&wire, &batch, last).await;
+        let texts: Vec<String> = batch.iter().map(Value::to_string).collect();
+        remote.streams.publish(&wire, &texts, last).await;
         batch.clear();
         if last {
             return;

@@ -433,6 +433,10 @@ pub struct PluginConfig {
     /// larger entry is refused.
     #[serde(default = "default_kv_max_bytes")]
     pub kv_max_bytes: u64,
+    /// Largest single key-value entry (key, value and 64 bytes), with
+    /// either backend: a larger `kv.set` is refused.
+    #[serde(default = "default_kv_max_value_bytes")]
+    pub kv_max_value_bytes: u64,
     /// Token buckets the plugin may hold (least recently used go first).
     #[serde(default = "default_max_buckets")]
     pub max_buckets: u64,
@@ -445,19 +449,23 @@ pub struct PluginConfig {
 }
 
 fn default_kv_max_bytes() -> u64 {
-    crate::capabilities::PluginBounds::default().kv_bytes
+    crate::state::PluginBounds::default().kv_bytes
+}
+
+fn default_kv_max_value_bytes() -> u64 {
+    crate::state::PluginBounds::default().kv_value_bytes
 }
 
 fn default_max_buckets() -> u64 {
-    crate::capabilities::PluginBounds::default().buckets
+    crate::state::PluginBounds::default().buckets
 }
 
 fn default_vector_max_namespaces() -> usize {
-    crate::capabilities::PluginBounds::default().vector_namespaces
+    crate::state::PluginBounds::default().vector_namespaces
 }
 
 fn default_vector_max_bytes() -> usize {
-    crate::capabilities::PluginBounds::default().vector_bytes
+    crate::state::PluginBounds::default().vector_bytes
 }
 
 impl PluginConfig {
@@ -467,9 +475,10 @@ impl PluginConfig {
     }
 
     /// What the plugin may hold in the host's stores.
-    pub fn bounds(&self) -> crate::capabilities::PluginBounds {
-        crate::capabilities::PluginBounds {
+    pub fn bounds(&self) -> crate::state::PluginBounds {
+        crate::state::PluginBounds {
             kv_bytes: self.kv_max_bytes,
+            kv_value_bytes: self.kv_max_value_bytes,
             buckets: self.max_buckets,
             vector_namespaces: self.vector_max_namespaces,
             vector_bytes: self.vector_max_bytes,
@@ -750,17 +759,19 @@ impl Config {
                 return Err(ConfigError::Invalid(format!("plugins[{i}].name {:?} is used twice", plugin.name)));
             }
             let bounds_ok = (1024..=1 << 40).contains(&plugin.kv_max_bytes)
+                && (128..=1 << 30).contains(&plugin.kv_max_value_bytes)
                 && (1..=100_000_000).contains(&plugin.max_buckets)
                 && (1..=1_000_000).contains(&plugin.vector_max_namespaces)
                 && (1024..=1 << 40).contains(&plugin.vector_max_bytes);
             if !bounds_ok {
                 return Err(ConfigError::Invalid(format!(
                     "plugins[{i}] ({}): kv-max-bytes and vector-max-bytes must be between 1 KiB and 1 TiB, \
-                     max-buckets between 1 and 100000000, vector-max-namespaces between 1 and 1000000; \
-                     got {}, {}, {}, {}",
+                     kv-max-value-bytes between 128 and 1 GiB, max-buckets between 1 and 100000000, \
+                     vector-max-namespaces between 1 and 1000000; got {}, {}, {}, {}, {}",
                     plugin.name,
                     plugin.kv_max_bytes,
                     plugin.vector_max_bytes,
+                    plugin.kv_max_value_bytes,
                     plugin.max_buckets,
                     plugin.vector_max_namespaces
                 )));

@@ -13,5 +13,6 @@ pub mod pipeline;
 pub mod plugins;
 pub mod scaling;
 pub mod server;
+pub mod state;
 pub mod telemetry;
 pub mod tenancy;

@@ -5,16 +5,67 @@
 //! The request holds one snapshot of the chain from start to finish, so a
 //! reload in the middle never splits it between two plugin versions.
 
-use crate::api::error::ApiError;
-use crate::api::validate::ValidRequest;
 use crate::coalesce::{Flights, Subscription};
+use crate::plugins::bindings::Route;
 use crate::plugins::bindings::{self as wit, Hook};
-use crate::plugins::{Chain, Policies};
+use crate::plugins::{Chain, Policies, Refusal};
 use crate::telemetry::Telemetry;
-use levee_gpu::{EngineError, EngineHandle, GenerationRequest, TokenEvent, TokenStream};
+use crate::tenancy::Tenant;
+use levee_gpu::{EngineError, EngineHandle, GenerationRequest, SamplingParams, TokenEvent, TokenStream};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
+
+/// One prompt, rendered and tokenized.
+#[derive(Debug, Clone)]
+pub struct Prompt {
+    /// The text the model sees.
+    pub text: String,
+    /// Its tokens.
+    pub tokens: Vec<u32>,
+}
+
+/// A request that passed validation: what the pipeline takes.
+#[derive(Debug, Clone)]
+pub struct ValidRequest {
+    /// Response id (`cmpl-…` or `chatcmpl-…`).
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Route.
+    pub route: Route,
+    /// Model name, as served.
+    pub model: String,
+    /// Prompts (one for chat).
+    pub prompts: Vec<Prompt>,
+    /// Most tokens to generate per choice.
+    pub max_tokens: u32,
+    /// Choices per prompt.
+    pub n: u32,
+    /// Sampling and stop rules.
+    pub sampling: SamplingParams,
+    /// Scheduling priority.
+    pub priority: i32,
+    /// SSE.
+    pub stream: bool,
+    /// Usage in the last SSE chunk.
+    pub include_usage: bool,
+    /// Who is asking.
+    pub tenant: Tenant,
+    /// Headers passed to policies.
+    pub headers: Vec<(String, String)>,
+}
+
+/// Why a request did not get its generations.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PipelineError {
+    /// A policy refused it.
+    #[error("refused by policy: {0:?}")]
+    Refused(Refusal),
+    /// The engine could not take it.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
 
 /// Everything a request needs on its way to the engine.
 pub struct Pipeline {
@@ -158,9 +209,9 @@ fn record(request: &ValidRequest, prompt: usize) -> wit::Request {
 }
 
 impl Pipeline {
-    fn refused(&self, refusal: crate::plugins::Refusal, counter: &std::sync::atomic::AtomicU64) -> ApiError {
+    fn refused(&self, refusal: Refusal, counter: &std::sync::atomic::AtomicU64) -> PipelineError {
         counter.fetch_add(1, Ordering::Relaxed);
-        ApiError::Refused(refusal)
+        PipelineError::Refused(refusal)
     }
 
     async fn lookup(
@@ -168,12 +219,12 @@ impl Pipeline {
         chain: &Chain,
         record: &Arc<wit::Request>,
         n: u32,
-    ) -> Result<Option<(String, wit::CacheHit)>, ApiError> {
+    ) -> Result<Option<(String, wit::CacheHit)>, PipelineError> {
         if !chain.declares(Hook::Lookup) {
             return Ok(None);
         }
         let counters = &self.telemetry.counters;
-        match chain.lookup(record).await.map_err(ApiError::Refused)? {
+        match chain.lookup(record).await.map_err(PipelineError::Refused)? {
             Some(served) if served.hit.response.choices.len() >= n as usize => {
                 counters.cache_hits.fetch_add(1, Ordering::Relaxed);
                 Ok(Some((served.plugin, served.hit)))
@@ -186,7 +237,7 @@ impl Pipeline {
     }
 
     /// Runs the policy chain and starts the generations.
-    pub async fn plan(&self, mut request: ValidRequest) -> Result<Plan, ApiError> {
+    pub async fn plan(&self, mut request: ValidRequest) -> Result<Plan, PipelineError> {
         let started = Instant::now();
         let chain = self.policies.snapshot();
         let load = self.telemetry.load(&self.engine.stats());
@@ -208,7 +259,7 @@ impl Pipeline {
                 continue;
             }
             let key = if request.n == 1 && chain.declares(Hook::CoalesceKey) {
-                chain.coalesce_key(&rec).await.map_err(ApiError::Refused)?
+                chain.coalesce_key(&rec).await.map_err(PipelineError::Refused)?
             } else {
                 None
             };

@@ -10,37 +10,19 @@
 //! while it is unreachable) each replica decides for itself from its own
 //! load. The leader also runs the optional command actuator.
 
-use crate::capabilities::shared::{SharedState, unix_ms};
 use crate::config::ScalingConfig;
 use crate::plugins::Policies;
 use crate::plugins::bindings::{Load, ScaleSignals};
+use crate::state::fleet::FleetBoard;
+use crate::state::{RedisState, unix_ms};
 use crate::telemetry::Telemetry;
 use levee_gpu::EngineHandle;
 use serde::{Deserialize, Serialize};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// Takes or renews the scaling lease (`KEYS[1]`) for `ARGV[1]` for `ARGV[2]`
-/// ms; returns 1 when the caller holds it.
-const LEASE_SCRIPT: &str = r#"
-local holder = redis.call('GET', KEYS[1])
-if not holder or holder == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-return 0
-"#;
-
-/// Gives the lease up if the caller holds it.
-const RELEASE_SCRIPT: &str = r#"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"#;
 
 /// The load figures a replica reports and the fleet combines: queues and
 /// running sequences add up, KV usage and tail latencies take the worst
@@ -310,7 +292,7 @@ struct Actuator {
 pub struct Scaler {
     config: ScalingConfig,
     replica: String,
-    shared: Option<Arc<SharedState>>,
+    fleet: Option<FleetBoard>,
     decision: Mutex<Option<Decision>>,
     rates: Mutex<Rates>,
     actuator: Mutex<Actuator>,
@@ -335,12 +317,13 @@ pub struct Sources {
 
 impl Scaler {
     /// A scaler for this replica, sharing the fleet view through `shared` when given.
-    pub fn new(config: ScalingConfig, shared: Option<Arc<SharedState>>) -> Self {
-        let replica = shared.as_ref().map(|s| s.replica.clone()).unwrap_or_else(|| "local".to_string());
+    pub fn new(config: ScalingConfig, shared: Option<Arc<RedisState>>) -> Self {
+        let fleet = shared.map(FleetBoard::new);
+        let replica = fleet.as_ref().map(|f| f.replica().to_string()).unwrap_or_else(|| "local".to_string());
         Self {
             config,
             replica,
-            shared,
+            fleet,
             decision: Mutex::new(None),
             rates: Mutex::new(Rates::default()),
             actuator: Mutex::new(Actuator::default()),
@@ -403,8 +386,8 @@ impl Scaler {
     pub async fn tick(&self, sources: &Sources, draining: bool) {
         self.ticks.fetch_add(1, Ordering::Relaxed);
         let report = self.report(sources, draining);
-        let fleet = match &self.shared {
-            Some(shared) => self.exchange(shared, &report, draining).await,
+        let fleet = match &self.fleet {
+            Some(board) => self.exchange(board, &report, draining).await,
             None => None,
         };
         let (reports, leader, previous) = match fleet {
@@ -418,21 +401,11 @@ impl Scaler {
             }
             return;
         }
-        let decision = self.decide(sources, &reports, previous, self.shared.is_some()).await;
-        if let Some(shared) = &self.shared
+        let decision = self.decide(sources, &reports, previous, self.fleet.is_some()).await;
+        if let Some(board) = &self.fleet
             && let Ok(json) = serde_json::to_string(&decision)
         {
-            let key = shared.key("scale", "decision");
-            let ttl = self.config.interval_ms.saturating_mul(60).max(60_000);
-            let _ =
-                shared
-                    .call("scale.publish", |mut c| {
-                        let (key, json) = (&key, &json);
-                        async move {
-                            redis::cmd("SET").arg(key).arg(json).arg("PX").arg(ttl).query_async::<()>(&mut c).await
-                        }
-                    })
-                    .await;
+            board.publish_decision(&json, self.config.interval_ms.saturating_mul(60).max(60_000)).await;
         }
         self.actuate(decision.desired_replicas);
         *self.decision.lock().unwrap_or_else(|p| p.into_inner()) = Some(decision);
@@ -485,57 +458,32 @@ impl Scaler {
     /// Publishes `report`, reads the fleet, takes or renews the lease and
     /// reads the last decision, in one round trip. `None` when Redis is
     /// unreachable (the replica then decides alone).
-    async fn exchange(&self, shared: &SharedState, report: &ReplicaReport, draining: bool) -> Option<FleetView> {
-        let fleet_key = shared.key("fleet", "replicas");
-        let lease_key = shared.key("scale", "leader");
-        let decision_key = shared.key("scale", "decision");
+    async fn exchange(&self, board: &FleetBoard, report: &ReplicaReport, draining: bool) -> Option<FleetView> {
         let json = serde_json::to_string(report).ok()?;
-        let lease_ms = self.config.interval_ms.saturating_mul(3);
-        let mut pipe = redis::pipe();
-        pipe.cmd("HSET").arg(&fleet_key).arg(&self.replica).arg(&json).ignore();
-        pipe.cmd("HGETALL").arg(&fleet_key);
-        if draining {
-            pipe.cmd("EVAL").arg(RELEASE_SCRIPT).arg(1).arg(&lease_key).arg(&self.replica).ignore();
-            pipe.cmd("EVAL").arg("return 0").arg(0);
-        } else {
-            pipe.cmd("EVAL").arg(LEASE_SCRIPT).arg(1).arg(&lease_key).arg(&self.replica).arg(lease_ms);
-        }
-        pipe.cmd("GET").arg(&decision_key);
-        let pipe = &pipe;
-        let (all, leader, decision): (HashMap<String, String>, i64, Option<String>) =
-            shared.call("scale.exchange", |mut c| async move { pipe.query_async(&mut c).await }).await.ok()?;
+        let exchanged = board.exchange(&json, self.config.interval_ms.saturating_mul(3), draining).await?;
         let now = unix_ms();
         let stale_ms = self.config.interval_ms.saturating_mul(3).max(1000);
         let mut reports = Vec::new();
         let mut stale = Vec::new();
-        for (replica, json) in all {
+        for (replica, json) in exchanged.reports {
             match serde_json::from_str::<ReplicaReport>(&json) {
                 Ok(r) if now.saturating_sub(r.at_ms) <= stale_ms => reports.push(r),
                 _ => stale.push(replica),
             }
         }
         reports.sort_by(|a, b| a.replica.cmp(&b.replica));
-        if leader == 1 && !stale.is_empty() {
-            let (key, stale) = (&fleet_key, &stale);
-            let _ = shared
-                .call("fleet.prune", |mut c| async move {
-                    redis::cmd("HDEL").arg(key).arg(stale).query_async::<i64>(&mut c).await
-                })
-                .await;
+        if exchanged.leader && !stale.is_empty() {
+            board.prune(&stale).await;
         }
-        let decision = decision.and_then(|d| serde_json::from_str(&d).ok());
-        Some(FleetView { reports, leader: leader == 1, decision })
+        let decision = exchanged.decision.and_then(|d| serde_json::from_str(&d).ok());
+        Some(FleetView { reports, leader: exchanged.leader, decision })
     }
 
     /// Removes this replica from the fleet and gives up the lease (on shutdown).
     pub async fn leave(&self) {
-        let Some(shared) = &self.shared else { return };
-        let (fleet_key, lease_key) = (shared.key("fleet", "replicas"), shared.key("scale", "leader"));
-        let mut pipe = redis::pipe();
-        pipe.cmd("HDEL").arg(&fleet_key).arg(&self.replica).ignore();
-        pipe.cmd("EVAL").arg(RELEASE_SCRIPT).arg(1).arg(&lease_key).arg(&self.replica).ignore();
-        let pipe = &pipe;
-        let _ = shared.call("fleet.leave", |mut c| async move { pipe.query_async::<()>(&mut c).await }).await;
+        if let Some(board) = &self.fleet {
+            board.leave().await;
+        }
     }
 
     /// Runs the actuator command for `desired` when it changed and the

@@ -5,7 +5,6 @@ use crate::admin::{self, AdminState};
 use crate::api::{self, App};
 use crate::capabilities::Capabilities;
 use crate::capabilities::embeddings::MiniLm;
-use crate::capabilities::shared::SharedState;
 use crate::coalesce::{Flights, Remote};
 use crate::config::Config;
 use crate::listener::Serving;
@@ -14,6 +13,7 @@ use crate::pipeline::Pipeline;
 use crate::plugins::bindings::Hook;
 use crate::plugins::{FAULT_KINDS, PluginError, PluginRuntime, PluginSystem, Policies};
 use crate::scaling::{Scaler, Sources};
+use crate::state::{RedisState, State};
 use crate::telemetry::Telemetry;
 use crate::tenancy::Tenancy;
 pub use axum::Router;
@@ -110,20 +110,6 @@ pub fn render_plugin_metrics(policies: &Policies, caps: &Capabilities, out: &mut
         }
     }
     caps.metrics.render(out);
-    if let Some(shared) = &caps.shared {
-        let stats = &shared.stats;
-        let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
-        header(out, "levee_redis_up", "gauge", "1 while the last call reached Redis.");
-        let _ = writeln!(out, "levee_redis_up {}", u8::from(shared.is_up()));
-        header(out, "levee_redis_errors_total", "counter", "Calls that found Redis unreachable or slow.");
-        let _ = writeln!(out, "levee_redis_errors_total {}", load(&stats.errors));
-        header(out, "levee_redis_fallbacks_total", "counter", "Calls served locally while Redis was unreachable.");
-        let _ = writeln!(out, "levee_redis_fallbacks_total {}", load(&stats.fallbacks));
-        header(out, "levee_redis_refusals_total", "counter", "Calls failed while Redis was unreachable (rule closed).");
-        let _ = writeln!(out, "levee_redis_refusals_total {}", load(&stats.refusals));
-        header(out, "levee_vectors_followed_total", "counter", "Vector entries indexed from other replicas.");
-        let _ = writeln!(out, "levee_vectors_followed_total {}", load(&stats.vectors_followed));
-    }
 }
 
 /// Why the server could not start.
@@ -181,7 +167,17 @@ impl Levee {
         tracing::info!(model = name, backend = engine.model().backend, context = engine.max_context(), "model loaded");
         tracing::info!("device: {}", engine.model().device_choice);
 
-        let mut caps = Capabilities::local();
+        let state = if config.shared_state.backend == crate::config::StateBackend::Redis {
+            let redis = RedisState::new(&config.shared_state).map_err(StartError::SharedState)?;
+            match redis.kv_get("levee:ping").await {
+                Ok(_) => tracing::info!(url = config.shared_state.redis_url, "shared state in redis"),
+                Err(e) => tracing::warn!(url = config.shared_state.redis_url, "redis not reachable at start: {e:?}"),
+            }
+            State::shared(Arc::new(redis))
+        } else {
+            State::local()
+        };
+        let mut caps = Capabilities::new(state);
         let embeddings = match &config.embeddings.path {
             Some(path) => Some(path.clone()),
             None => Some(std::path::PathBuf::from("models/minilm")).filter(|p| p.exists()),
@@ -197,14 +193,6 @@ impl Levee {
             }
             None => tracing::info!("no embedding model (models/minilm is absent): plugins' embed calls will fail"),
         }
-        if config.shared_state.backend == crate::config::StateBackend::Redis {
-            let shared = SharedState::new(&config.shared_state).map_err(StartError::SharedState)?;
-            match shared.kv_get("levee:ping").await {
-                Ok(_) => tracing::info!(url = config.shared_state.redis_url, "shared state in redis"),
-                Err(e) => tracing::warn!(url = config.shared_state.redis_url, "redis not reachable at start: {e:?}"),
-            }
-            caps.shared = Some(Arc::new(shared));
-        }
         let caps = Arc::new(caps);
         caps.start_sharing();
         let runtime = Arc::new(PluginRuntime::new(&config.plugin_runtime, caps.clone())?);
@@ -214,7 +202,7 @@ impl Levee {
         let pipeline = Pipeline {
             engine,
             policies: plugins.policies.clone(),
-            flights: Arc::new(match &caps.shared {
+            flights: Arc::new(match &caps.state.redis {
                 Some(shared) if config.shared_state.coalesce_across_replicas => Flights::across_replicas(Remote::new(
                     shared.clone(),
                     Duration::from_millis(config.shared_state.follow_timeout_ms),
@@ -224,7 +212,7 @@ impl Levee {
             telemetry: Arc::new(Telemetry::default()),
             model: name,
         };
-        let scaler = Arc::new(Scaler::new(config.scaling.clone(), caps.shared.clone()));
+        let scaler = Arc::new(Scaler::new(config.scaling.clone(), caps.state.redis.clone()));
         let sources = Sources {
             engine: pipeline.engine.clone(),
             telemetry: pipeline.telemetry.clone(),

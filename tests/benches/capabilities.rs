@@ -7,9 +7,9 @@
 //! installed by `scripts/setup.sh`).
 
 use levee::capabilities::embeddings::MiniLm;
-use levee::capabilities::shared::SharedState;
 use levee::capabilities::{Capabilities, Embedder};
 use levee::config::{SharedStateConfig, StateBackend};
+use levee::state::{RedisState, State};
 use levee_tests::{RedisServer, TestServer, config, guests, plugin};
 use serde_json::json;
 use std::path::PathBuf;
@@ -94,7 +94,7 @@ fn embed_and_search_at_100k() {
     let filled = Instant::now();
     for i in 0..ENTRIES {
         let vector: Vec<f32> = seeds[i % seeds.len()].iter().map(|x| x + 0.05 * noise()).collect();
-        caps.vectors.insert("bench", &vector, format!("payload {i}").into_bytes(), 0).unwrap();
+        caps.vectors().insert("bench", &vector, format!("payload {i}").into_bytes(), 0).unwrap();
     }
     let fill = filled.elapsed();
     let questions: Vec<String> =
@@ -105,10 +105,10 @@ fn embed_and_search_at_100k() {
         let t0 = Instant::now();
         let vector = embedder.embed("bench", question, WAIT).unwrap();
         let t1 = Instant::now();
-        let hits = caps.vectors.search("bench", &vector, 1, 0.0).unwrap();
+        let hits = caps.vectors().search("bench", &vector, 1, 0.0).unwrap();
         let t2 = Instant::now();
         assert!(!hits.is_empty());
-        if hits == caps.vectors.search_exact("bench", &vector, 1).unwrap() {
+        if hits == caps.vectors().search_exact("bench", &vector, 1).unwrap() {
             exact += 1;
         }
         if i >= 10 {
@@ -138,14 +138,13 @@ async fn bucket_local_against_redis() {
     const TAKES: usize = 5000;
     let redis = RedisServer::start();
     let local = Capabilities::local();
-    let mut shared = Capabilities::local();
     let settings = SharedStateConfig {
         backend: StateBackend::Redis,
         redis_url: redis.url(),
         timeout_ms: 1000,
         ..SharedStateConfig::default()
     };
-    shared.shared = Some(Arc::new(SharedState::new(&settings).expect("redis client")));
+    let shared = Capabilities::new(State::shared(Arc::new(RedisState::new(&settings).expect("redis client"))));
     let run = async |caps: &Capabilities| {
         let mut samples = Vec::with_capacity(TAKES);
         for i in 0..TAKES + 500 {

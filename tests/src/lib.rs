@@ -32,6 +32,7 @@ pub fn plugin(name: &str, path: impl Into<PathBuf>, config: serde_json::Value) -
         log_lines_per_sec: 20.0,
         max_instances: 16,
         kv_max_bytes: 64 << 20,
+        kv_max_value_bytes: 1 << 20,
         max_buckets: 100_000,
         vector_max_namespaces: 64,
         vector_max_bytes: 256 << 20,

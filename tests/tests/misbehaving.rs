@@ -194,6 +194,7 @@ async fn a_key_value_byte_flood_stays_within_its_bound() {
     // 4 MiB a request into a 16 MiB bound.
     let mut flood = plugin("flood", guests::SCRIPTED, json!({ "hooks": ["admit"], "kv_set_bytes": 4 << 20 }));
     flood.kv_max_bytes = 16 << 20;
+    flood.kv_max_value_bytes = 8 << 20;
     let server = beside("kv flood", counter(), flood, completion("Say hello."), 3, 16 << 20).await;
     let caps = &server.levee.app.caps;
     let sets = caps.kv_get("flood:sets").await.unwrap().map(|v| String::from_utf8(v).unwrap()).unwrap_or_default();

@@ -133,6 +133,15 @@ impl ApiError {
     }
 }
 
+impl From<crate::pipeline::PipelineError> for ApiError {
+    fn from(error: crate::pipeline::PipelineError) -> Self {
+        match error {
+            crate::pipeline::PipelineError::Refused(refusal) => ApiError::Refused(refusal),
+            crate::pipeline::PipelineError::Engine(error) => error.into(),
+        }
+    }
+}
+
 impl From<EngineError> for ApiError {
     fn from(error: EngineError) -> Self {
         let message = error.to_string();

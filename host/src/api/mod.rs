@@ -339,25 +339,7 @@ async fn metrics(State(app): AppState) -> Response {
     app.scaling.render(&mut out);
     app.connections.render(&mut out);
     app.blocking.render(&mut out);
-    if let Some(remote) = app.pipeline.flights.remote() {
-        use std::fmt::Write as _;
-        let followed = remote.followed.load(Ordering::Relaxed);
-        let taken_over = remote.taken_over.load(Ordering::Relaxed);
-        crate::metrics::header(
-            &mut out,
-            "levee_flights_followed_total",
-            "counter",
-            "Coalesced requests that followed another replica's generation.",
-        );
-        let _ = writeln!(out, "levee_flights_followed_total {followed}");
-        crate::metrics::header(
-            &mut out,
-            "levee_flights_taken_over_total",
-            "counter",
-            "Followed generations finished here after the owner stalled or left.",
-        );
-        let _ = writeln!(out, "levee_flights_taken_over_total {taken_over}");
-    }
+    app.caps.state.render(app.pipeline.flights.remote().map(|r| &r.stats), &mut out);
     ([(CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 

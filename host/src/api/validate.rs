@@ -11,45 +11,7 @@ use levee_gpu::{ChatMessage, EngineHandle, SamplingParams};
 /// Most log-probability alternatives per token.
 const MAX_LOGPROBS: i64 = 20;
 
-/// One prompt, rendered and tokenized.
-#[derive(Debug, Clone)]
-pub struct Prompt {
-    /// The text the model sees.
-    pub text: String,
-    /// Its tokens.
-    pub tokens: Vec<u32>,
-}
-
-/// A request that passed validation.
-#[derive(Debug, Clone)]
-pub struct ValidRequest {
-    /// Response id (`cmpl-…` or `chatcmpl-…`).
-    pub id: String,
-    /// Unix seconds.
-    pub created: u64,
-    /// Route.
-    pub route: Route,
-    /// Model name, as served.
-    pub model: String,
-    /// Prompts (one for chat).
-    pub prompts: Vec<Prompt>,
-    /// Most tokens to generate per choice.
-    pub max_tokens: u32,
-    /// Choices per prompt.
-    pub n: u32,
-    /// Sampling and stop rules.
-    pub sampling: SamplingParams,
-    /// Scheduling priority.
-    pub priority: i32,
-    /// SSE.
-    pub stream: bool,
-    /// Usage in the last SSE chunk.
-    pub include_usage: bool,
-    /// Who is asking.
-    pub tenant: Tenant,
-    /// Headers passed to policies.
-    pub headers: Vec<(String, String)>,
-}
+pub use crate::pipeline::{Prompt, ValidRequest};
 
 /// Headers that policies may read.
 const POLICY_HEADERS: &[&str] =

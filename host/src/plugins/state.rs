@@ -285,7 +285,7 @@ impl vectors::Host for PluginState {
         k: u32,
         min_score: f32,
     ) -> Result<Vec<vectors::Match>, String> {
-        let hits = self.caps.vectors.search(&self.key(&namespace)?, &vector, k, min_score)?;
+        let hits = self.caps.vectors().search(&self.key(&namespace)?, &vector, k, min_score)?;
         Ok(hits.into_iter().map(|h| vectors::Match { score: h.score, payload: h.payload }).collect())
     }
 }

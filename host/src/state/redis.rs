@@ -1,6 +1,9 @@
-//! State that replicas share through Redis: key-value, token buckets (one Lua
+//! The Redis side of the plugins' state: key-value, token buckets (one Lua
 //! script, so a take is one atomic round trip) and the vector entries that
-//! every replica indexes locally.
+//! every replica indexes locally, one stream per plugin (so that one
+//! plugin's inserts never trim another's entries out of the stream). Keys
+//! carry the plugin's name; a value is capped at the plugin's
+//! `kv-max-value-bytes` before it is sent.
 //!
 //! Every call is bounded by a timeout. When Redis cannot be reached, the
 //! failure is logged once, counted, and calls skip Redis until a background
@@ -20,8 +23,8 @@ use std::sync::Weak;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::Capabilities;
 use super::bucket::Take;
+use super::{Failure, Pending, State, Store};
 
 /// Takes `ARGV[3]` tokens from the bucket at `KEYS[1]` (capacity `ARGV[1]`,
 /// refilled at `ARGV[2]` per second) by Redis's own clock, so that every
@@ -63,24 +66,11 @@ redis.call('PEXPIRE', KEYS[1], full_in_ms)
 return {allowed, string.format('%.17g', tokens), string.format('%.17g', wait)}
 "#;
 
-/// Why a shared call did not succeed.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Failure {
-    /// Redis could not be reached in time; the configured rule applies.
-    Outage(String),
-    /// Redis answered with an error; it goes back to the caller as it is.
-    Refused(String),
-}
-
 /// Counters for `/metrics`.
 #[derive(Debug, Default)]
 pub struct SharedStats {
     /// Calls that found Redis unreachable or slow.
     pub errors: AtomicU64,
-    /// Calls served by the local stores because Redis was unreachable.
-    pub fallbacks: AtomicU64,
-    /// Calls failed because Redis was unreachable and the rule is `closed`.
-    pub refusals: AtomicU64,
     /// Vector entries indexed from other replicas.
     pub vectors_followed: AtomicU64,
 }
@@ -100,8 +90,8 @@ pub struct VectorEntry {
     pub origin: String,
 }
 
-/// The Redis side of the shared capabilities.
-pub struct SharedState {
+/// The Redis side of the shared state.
+pub struct RedisState {
     client: redis::Client,
     conn: ConnectionManager,
     prefix: String,
@@ -180,7 +170,7 @@ impl VectorEntry {
     }
 }
 
-impl SharedState {
+impl RedisState {
     /// A client for `settings.redis-url`; connects lazily, so a Redis that is
     /// down at start is an outage like any other, not a start failure.
     pub fn new(settings: &SharedStateConfig) -> Result<Self, String> {
@@ -350,15 +340,17 @@ impl SharedState {
         })
     }
 
-    fn stream(&self) -> String {
-        format!("{}vectors", self.prefix)
+    /// The vector stream of `plugin`.
+    fn stream(&self, plugin: &str) -> String {
+        format!("{}vectors:{plugin}", self.prefix)
     }
 
-    /// Appends a vector entry to the stream every replica follows (trimmed,
-    /// approximately, to the configured length).
+    /// Appends a vector entry to its plugin's stream, which every replica
+    /// follows (trimmed, approximately, to the configured length).
     pub async fn publish_vector(&self, entry: &VectorEntry) -> Result<(), Failure> {
         let mut cmd = redis::cmd("XADD");
-        cmd.arg(self.stream()).arg("MAXLEN").arg("~").arg(self.stream_max_entries).arg("*");
+        let stream = self.stream(super::vectors::owner(&entry.namespace));
+        cmd.arg(stream).arg("MAXLEN").arg("~").arg(self.stream_max_entries).arg("*");
         for (name, value) in entry.fields() {
             cmd.arg(name).arg(value);
         }
@@ -367,67 +359,108 @@ impl SharedState {
         Ok(())
     }
 
-    /// Follows the vector stream from the start and indexes every live entry
-    /// written by another replica into `caps`' local vectors, for as long as
-    /// `caps` lives. Reconnects after failures; when the stream is gone or
-    /// restarted (Redis lost its data), it starts over from the beginning.
-    pub async fn follow_vectors(&self, caps: Weak<Capabilities>) {
-        let stream = self.stream();
-        let mut last = "0-0".to_string();
+    /// Follows every loaded plugin's vector stream from the start and
+    /// indexes each live entry written by another replica into `state`'s
+    /// local vectors, for as long as `state` lives. Reconnects after
+    /// failures; a stream that is gone or restarted (Redis lost its data) is
+    /// read again from the beginning. Plugins loaded later are picked up
+    /// within a second.
+    pub async fn follow_vectors(&self, state: Weak<State>) {
+        let mut last: HashMap<String, String> = HashMap::new();
         let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.timeout))
             .set_response_timeout(Some(Duration::from_secs(5)));
         let mut conn = None;
-        while caps.strong_count() > 0 {
+        let mut checked = std::collections::HashSet::new();
+        loop {
+            let Some(streams) = state.upgrade().map(|s| s.local.plugins()) else { return };
+            let streams: Vec<String> = streams.iter().map(|p| self.stream(p)).collect();
+            if streams.is_empty() {
+                tokio::time::sleep(self.retry_interval).await;
+                continue;
+            }
             let Some(c) = conn.as_mut() else {
                 match self.client.get_multiplexed_async_connection_with_config(&config).await {
-                    Ok(mut c) => {
-                        let newest: RedisResult<StreamRangeTail> = redis::cmd("XREVRANGE")
-                            .arg(&stream)
-                            .arg("+")
-                            .arg("-")
-                            .arg("COUNT")
-                            .arg(1)
-                            .query_async(&mut c)
-                            .await;
-                        if let Ok(StreamRangeTail(newest)) = newest
-                            && newest.as_deref().is_none_or(|id| stream_id(id) < stream_id(&last))
-                        {
-                            last = "0-0".to_string();
-                        }
+                    Ok(c) => {
                         conn = Some(c);
+                        checked.clear();
                     }
                     Err(_) => tokio::time::sleep(self.retry_interval).await,
                 }
                 continue;
             };
+            // A stream seen for the first time on this connection: start over
+            // if it is behind what was read (Redis restarted without its data).
+            let unchecked: Vec<&String> = streams.iter().filter(|s| !checked.contains(*s)).collect();
+            for stream in unchecked {
+                let newest: RedisResult<StreamRangeTail> =
+                    redis::cmd("XREVRANGE").arg(stream).arg("+").arg("-").arg("COUNT").arg(1).query_async(c).await;
+                if let Ok(StreamRangeTail(newest)) = newest
+                    && let Some(seen) = last.get(stream)
+                    && newest.as_deref().is_none_or(|id| stream_id(id) < stream_id(seen))
+                {
+                    last.remove(stream);
+                }
+                checked.insert(stream.clone());
+            }
+            let ids: Vec<String> =
+                streams.iter().map(|s| last.get(s).cloned().unwrap_or_else(|| "0-0".into())).collect();
             let options = StreamReadOptions::default().block(1000).count(512);
-            let reply: RedisResult<Option<StreamReadReply>> = c.xread_options(&[&stream], &[&last], &options).await;
+            let reply: RedisResult<Option<StreamReadReply>> = c.xread_options(&streams, &ids, &options).await;
             let Ok(reply) = reply else {
                 conn = None;
                 tokio::time::sleep(self.retry_interval).await;
                 continue;
             };
-            let Some(caps) = caps.upgrade() else { return };
+            let Some(state) = state.upgrade() else { return };
             let now = unix_ms();
-            for id in reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids) {
-                last = id.id.clone();
-                let Some(entry) = VectorEntry::parse(&id.map) else { continue };
-                let ttl_ms = match entry.expires_unix_ms {
-                    0 => 0,
-                    at if at > now => at - now,
-                    _ => continue,
-                };
-                if entry.origin == self.replica {
-                    continue;
+            for key in reply.into_iter().flat_map(|r| r.keys) {
+                for id in key.ids {
+                    last.insert(key.key.clone(), id.id.clone());
+                    let Some(entry) = VectorEntry::parse(&id.map) else { continue };
+                    let ttl_ms = match entry.expires_unix_ms {
+                        0 => 0,
+                        at if at > now => at - now,
+                        _ => continue,
+                    };
+                    if entry.origin == self.replica {
+                        continue;
+                    }
+                    let inserted = state.local.vectors.insert(&entry.namespace, &entry.vector, entry.payload, ttl_ms);
+                    if let Err(e) = inserted {
+                        tracing::debug!("vector entry from {} not indexed: {e}", entry.origin);
+                        continue;
+                    }
+                    self.stats.vectors_followed.fetch_add(1, Ordering::Relaxed);
                 }
-                if let Err(e) = caps.vectors.insert(&entry.namespace, &entry.vector, entry.payload, ttl_ms) {
-                    tracing::debug!("vector entry from {} not indexed: {e}", entry.origin);
-                    continue;
-                }
-                self.stats.vectors_followed.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+}
+
+impl Store for RedisState {
+    fn kv_get<'a>(&'a self, key: &'a str) -> Pending<'a, Option<Vec<u8>>> {
+        Box::pin(RedisState::kv_get(self, key))
+    }
+
+    fn kv_set<'a>(&'a self, key: &'a str, value: &'a [u8], ttl_ms: u64) -> Pending<'a, ()> {
+        Box::pin(RedisState::kv_set(self, key, value, ttl_ms))
+    }
+
+    fn kv_incr<'a>(&'a self, key: &'a str, delta: i64, ttl_ms: u64) -> Pending<'a, i64> {
+        Box::pin(RedisState::kv_incr(self, key, delta, ttl_ms))
+    }
+
+    fn kv_delete<'a>(&'a self, key: &'a str) -> Pending<'a, ()> {
+        Box::pin(RedisState::kv_delete(self, key))
+    }
+
+    fn take<'a>(&'a self, key: &'a str, capacity: f64, refill_per_sec: f64, cost: f64) -> Pending<'a, Take> {
+        Box::pin(RedisState::take(self, key, capacity, refill_per_sec, cost))
+    }
+
+    fn vector_insert<'a>(&'a self, entry: &'a VectorEntry) -> Pending<'a, ()> {
+        Box::pin(self.publish_vector(entry))
     }
 }
 

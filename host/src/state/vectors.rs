@@ -9,7 +9,7 @@
 //! the exact nearest entry.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Limits of each namespace, and of all of them together: plugins name
@@ -144,13 +144,30 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Vector stores by namespace. A namespace `plugin:name` belongs to its
-/// plugin: the count and byte bounds hold per plugin, and making room
-/// evicts only that plugin's namespaces.
+/// plugin: each plugin's namespaces sit behind a lock of their own, the
+/// count and byte bounds hold per plugin, and making room evicts only that
+/// plugin's namespaces. One plugin's inserts and searches never wait on
+/// another's.
 pub struct LocalVectors {
     bounds: Bounds,
+    owners: Mutex<HashMap<String, Arc<Owner>>>,
+}
+
+/// One plugin's namespaces and what it may hold.
+struct Owner {
+    /// `(namespaces, bytes)` it may hold.
+    bounds: Mutex<(usize, usize)>,
     namespaces: Mutex<HashMap<String, Namespace>>,
-    /// `(namespaces, bytes)` of plugins with their own bounds.
-    owners: Mutex<HashMap<String, (usize, usize)>>,
+}
+
+impl Owner {
+    fn bounds(&self) -> (usize, usize) {
+        *self.bounds.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Namespace>> {
+        self.namespaces.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
 }
 
 /// The plugin a namespace belongs to (its name up to the first `:`).
@@ -178,41 +195,50 @@ fn unit(vector: &[f32]) -> Result<Vec<f32>, String> {
 impl LocalVectors {
     /// Empty stores with `bounds` per namespace.
     pub fn new(bounds: Bounds) -> Self {
-        Self { bounds, namespaces: Mutex::new(HashMap::new()), owners: Mutex::new(HashMap::new()) }
+        Self { bounds, owners: Mutex::new(HashMap::new()) }
+    }
+
+    /// The namespaces of `plugin`, made on first use with the default bounds.
+    fn owner(&self, plugin: &str) -> Arc<Owner> {
+        let mut owners = self.owners.lock().unwrap_or_else(|p| p.into_inner());
+        owners
+            .entry(plugin.to_string())
+            .or_insert_with(|| {
+                Arc::new(Owner {
+                    bounds: Mutex::new((self.bounds.max_namespaces, self.bounds.max_total_bytes)),
+                    namespaces: Mutex::default(),
+                })
+            })
+            .clone()
     }
 
     /// Gives `plugin` its own bounds: namespaces held at once and their bytes together.
     pub fn set_owner_bounds(&self, plugin: &str, namespaces: usize, bytes: usize) {
-        self.owners.lock().unwrap_or_else(|p| p.into_inner()).insert(plugin.to_string(), (namespaces, bytes));
+        *self.owner(plugin).bounds.lock().unwrap_or_else(|p| p.into_inner()) = (namespaces, bytes);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Namespace>> {
-        self.namespaces.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Evicts whole namespaces of the same plugin other than `namespace`,
-    /// least recently used first, until a new namespace fits the plugin's
-    /// count and `incoming` bytes fit its total. Other plugins' namespaces
-    /// are never touched.
-    /// `(namespaces, bytes)` that `plugin` may hold.
-    fn owner_bounds(&self, plugin: &str) -> (usize, usize) {
-        let owners = self.owners.lock().unwrap_or_else(|p| p.into_inner());
-        owners.get(plugin).copied().unwrap_or((self.bounds.max_namespaces, self.bounds.max_total_bytes))
-    }
-
-    fn make_room(&self, namespaces: &mut HashMap<String, Namespace>, namespace: &str, incoming: usize) {
-        let plugin = owner(namespace);
-        let (max_namespaces, max_bytes) = self.owner_bounds(plugin);
+    /// Evicts whole namespaces of the plugin other than `namespace`, least
+    /// recently used first, until a new namespace fits the plugin's count
+    /// and `incoming` bytes fit its total.
+    fn make_room(
+        namespaces: &mut HashMap<String, Namespace>,
+        bounds: (usize, usize),
+        namespace: &str,
+        incoming: usize,
+    ) {
+        let (max_namespaces, max_bytes) = bounds;
         let is_new = !namespaces.contains_key(namespace);
         loop {
-            let mine = || namespaces.iter().filter(|(name, _)| owner(name) == plugin);
-            let total: usize = mine().map(|(_, n)| n.bytes).sum();
-            let over_count = is_new && mine().count() >= max_namespaces;
+            let total: usize = namespaces.values().map(|n| n.bytes).sum();
+            let over_count = is_new && namespaces.len() >= max_namespaces;
             if !over_count && total + incoming <= max_bytes {
                 return;
             }
-            let victim =
-                mine().filter(|(name, _)| *name != namespace).min_by_key(|(_, n)| n.touched).map(|(k, _)| k.clone());
+            let victim = namespaces
+                .iter()
+                .filter(|(name, _)| *name != namespace)
+                .min_by_key(|(_, n)| n.touched)
+                .map(|(k, _)| k.clone());
             match victim {
                 Some(name) => {
                     namespaces.remove(&name);
@@ -234,12 +260,14 @@ impl LocalVectors {
             last_used: 0,
         };
         // A namespace holds at most what its plugin may hold in all.
-        let max_bytes = self.bounds.max_bytes.min(self.owner_bounds(owner(namespace)).1);
+        let plugin = self.owner(owner(namespace));
+        let bounds = plugin.bounds();
+        let max_bytes = self.bounds.max_bytes.min(bounds.1);
         if entry.bytes() > max_bytes {
             return Err(format!("entry of {} bytes exceeds the namespace bound of {max_bytes} bytes", entry.bytes()));
         }
-        let mut namespaces = self.lock();
-        self.make_room(&mut namespaces, namespace, entry.bytes());
+        let mut namespaces = plugin.lock();
+        Self::make_room(&mut namespaces, bounds, namespace, entry.bytes());
         let ns = namespaces.entry(namespace.to_string()).or_default();
         ns.touched = Some(now);
         if let Some(dims) = ns.entries.first().map(|e| e.vector.len())
@@ -278,7 +306,8 @@ impl LocalVectors {
         }
         let query = unit(vector)?;
         let now = Instant::now();
-        let mut namespaces = self.lock();
+        let plugin = self.owner(owner(namespace));
+        let mut namespaces = plugin.lock();
         let Some(ns) = namespaces.get_mut(namespace) else { return Ok(Vec::new()) };
         ns.touched = Some(now);
         if ns.entries.first().is_some_and(|e| e.vector.len() != query.len()) {
@@ -310,13 +339,14 @@ impl LocalVectors {
 
     /// Entries held in `namespace` (live or not yet swept).
     pub fn len(&self, namespace: &str) -> usize {
-        self.lock().get(namespace).map_or(0, |ns| ns.entries.len())
+        self.owner(owner(namespace)).lock().get(namespace).map_or(0, |ns| ns.entries.len())
     }
 
     /// The exact `k` nearest, for measuring the prefilter's recall.
     pub fn search_exact(&self, namespace: &str, vector: &[f32], k: u32) -> Result<Vec<Hit>, String> {
         let query = unit(vector)?;
-        let namespaces = self.lock();
+        let plugin = self.owner(owner(namespace));
+        let namespaces = plugin.lock();
         let Some(ns) = namespaces.get(namespace) else { return Ok(Vec::new()) };
         let mut scored: Vec<(f32, usize)> =
             ns.entries.iter().enumerate().map(|(i, e)| (dot(&e.vector, &query), i)).collect();
