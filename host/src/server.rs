@@ -64,12 +64,7 @@ pub fn render_plugin_metrics(policies: &Policies, caps: &Capabilities, out: &mut
     }
     header(out, "levee_plugin_memory_bytes", "gauge", "Linear memory all of the plugin's instances hold together.");
     for p in chain.plugins() {
-        let _ = writeln!(
-            out,
-            "levee_plugin_memory_bytes{{plugin=\"{}\"}} {}",
-            p.name,
-            p.stats.memory.load(std::sync::atomic::Ordering::Relaxed)
-        );
+        let _ = writeln!(out, "levee_plugin_memory_bytes{{plugin=\"{}\"}} {}", p.name, p.memory_bytes());
     }
     header(
         out,

@@ -108,7 +108,7 @@ async fn the_outage_rule_is_applied_once_for_every_call() {
     ] {
         assert!(outcome.unwrap_err().contains("shared state unavailable"));
     }
-    // A vector entry is indexed here first either way; the closed rule reports that it was not shared.
+    // A vector entry: indexed here only under the open rule; the closed rule fails it and indexes nothing.
     let entry = VectorEntry {
         namespace: "p:cache".into(),
         vector: vec![1.0, 0.0],
@@ -118,7 +118,8 @@ async fn the_outage_rule_is_applied_once_for_every_call() {
     };
     open.vector_insert(&entry).await.unwrap();
     assert!(closed.vector_insert(&entry).await.unwrap_err().contains("shared state unavailable"));
-    assert_eq!(closed.local.vectors.search("p:cache", &[1.0, 0.0], 1, 0.0).unwrap().len(), 1);
+    assert_eq!(open.local.vectors.search("p:cache", &[1.0, 0.0], 1, 0.0).unwrap().len(), 1);
+    assert_eq!(closed.local.vectors.search("p:cache", &[1.0, 0.0], 1, 0.0).unwrap().len(), 0);
 }
 
 #[tokio::test]
@@ -129,8 +130,7 @@ async fn an_entry_a_replica_refuses_is_never_shared() {
     for s in [&state, &follower] {
         s.local.set_plugin_bounds("p", PluginBounds { vector_bytes: 4096, ..PluginBounds::default() });
     }
-    let caps =
-        levee::capabilities::Capabilities { state: follower.clone(), ..levee::capabilities::Capabilities::local() };
+    let caps = levee::capabilities::Capabilities::over(follower.clone());
     caps.start_sharing();
     // Over the plugin's vector bytes: refused here, so never published.
     let big = VectorEntry {

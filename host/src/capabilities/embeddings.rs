@@ -7,7 +7,7 @@
 //! from them in turn, so one plugin's flood does not delay another's text
 //! by more than one text per batch.
 
-use super::Embedder;
+use super::{Embedded, Embedder};
 use fastembed::{InitOptionsUserDefined, Pooling, TextEmbedding, TokenizerFiles, UserDefinedEmbeddingModel};
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -26,6 +26,9 @@ const MAX_TEXT_BYTES: usize = MAX_TOKENS * 16;
 const QUEUE_DEPTH: usize = 256;
 /// Texts one plugin may have waiting.
 const OWNER_QUEUE_DEPTH: usize = 64;
+/// Slack past a caller's wait before its text is dropped unembedded, so
+/// that a text arriving at an idle model is always taken.
+const GIVE_UP_TOLERANCE: Duration = Duration::from_millis(5);
 /// How long a caller waits for a started text to be embedded, past its
 /// own wait for the model: a batch is a few milliseconds; this only keeps a
 /// wedged model from holding a thread forever.
@@ -65,7 +68,7 @@ struct Job {
     /// When it was queued, and by when it must have been started.
     queued: Instant,
     give_up: Instant,
-    reply: mpsc::Sender<Result<Vec<f32>, String>>,
+    reply: mpsc::Sender<Embedded>,
 }
 
 /// Texts waiting for the model, one queue per plugin, served in turn: a
@@ -115,7 +118,8 @@ impl FairQueue {
             }
             if job.give_up < now {
                 let waited = now.duration_since(job.queued);
-                let _ = job.reply.send(Err(format!("the embedding model was busy for {waited:?}; try again later")));
+                let vector = Err(format!("the embedding model was busy for {waited:?}; try again later"));
+                let _ = job.reply.send(Embedded { vector, waited });
                 continue;
             }
             batch.push(job);
@@ -212,23 +216,36 @@ impl MiniLm {
                         continue;
                     }
                     let texts: Vec<&str> = batch.iter().map(|j| j.text.as_str()).collect();
+                    let started = Instant::now();
                     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         embedding.embed(&texts, Some(batch.len()))
                     }));
+                    // Each text waited for its turn, and for the others' share of the batch.
+                    let others = started.elapsed().mul_f64((batch.len() - 1) as f64 / batch.len() as f64);
+                    let waited = |job: &Job| started.duration_since(job.queued) + others;
                     match outcome {
                         Ok(Ok(vectors)) => {
                             for (job, vector) in batch.iter().zip(vectors) {
-                                let _ = job.reply.send(Ok(unit(vector)));
+                                let _ = job.reply.send(Embedded { vector: Ok(unit(vector)), waited: waited(job) });
                             }
                         }
                         Ok(Err(e)) => {
                             for job in &batch {
-                                let _ = job.reply.send(Err(format!("embedding failed: {e}")));
+                                let vector = Err(format!("embedding failed: {e}"));
+                                let _ = job.reply.send(Embedded { vector, waited: waited(job) });
                             }
                         }
                         Err(_) => {
                             let mut jobs = worker.jobs.lock().unwrap_or_else(|p| p.into_inner());
                             jobs.stopped = true;
+                            // Answer everyone still waiting, not only this batch.
+                            let queued = jobs.by_owner.drain().flat_map(|(_, q)| q);
+                            for job in batch.iter().chain(queued.collect::<Vec<_>>().iter()) {
+                                let vector = Err("the embedding model failed; embeddings are off until restart".into());
+                                let _ = job.reply.send(Embedded { vector, waited: Duration::ZERO });
+                            }
+                            jobs.turn.clear();
+                            jobs.waiting = 0;
                             tracing::error!("the embedding model panicked; embeddings are off until restart");
                             return;
                         }
@@ -241,22 +258,30 @@ impl MiniLm {
 }
 
 impl Embedder for MiniLm {
-    fn embed(&self, owner: &str, text: &str, max_wait: Duration) -> Result<Vec<f32>, String> {
+    fn embed(&self, owner: &str, text: &str, max_wait: Duration) -> Embedded {
         let (reply, answer) = mpsc::channel();
         let mut cut = text.len().min(MAX_TEXT_BYTES);
         while !text.is_char_boundary(cut) {
             cut -= 1;
         }
         let queued = Instant::now();
-        let job = Job { text: text[..cut].to_string(), queued, give_up: queued + max_wait, reply };
-        self.queue.jobs.lock().unwrap_or_else(|p| p.into_inner()).push(owner, job)?;
+        // A text that finds the model idle is never refused, however small its wait.
+        let give_up = queued + max_wait + GIVE_UP_TOLERANCE;
+        let job = Job { text: text[..cut].to_string(), queued, give_up, reply };
+        let pushed = self.queue.jobs.lock().unwrap_or_else(|p| p.into_inner()).push(owner, job);
+        if let Err(message) = pushed {
+            return Embedded { vector: Err(message), waited: Duration::ZERO };
+        }
         self.queue.ready.notify_one();
         match answer.recv_timeout(max_wait + COMPUTE_GRACE) {
-            Ok(result) => result,
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                Err(format!("the embedding model did not answer within {:?}", max_wait + COMPUTE_GRACE))
+            Ok(embedded) => embedded,
+            Err(mpsc::RecvTimeoutError::Timeout) => Embedded {
+                vector: Err(format!("the embedding model did not answer within {:?}", max_wait + COMPUTE_GRACE)),
+                waited: queued.elapsed(),
+            },
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Embedded { vector: Err("the embedding thread has stopped".to_string()), waited: Duration::ZERO }
             }
-            Err(mpsc::RecvTimeoutError::Disconnected) => Err("the embedding thread has stopped".to_string()),
         }
     }
 }
@@ -265,7 +290,7 @@ impl Embedder for MiniLm {
 mod tests {
     use super::*;
 
-    fn job(give_up_in: Duration) -> (Job, mpsc::Receiver<Result<Vec<f32>, String>>) {
+    fn job(give_up_in: Duration) -> (Job, mpsc::Receiver<Embedded>) {
         let (reply, answer) = mpsc::channel();
         let now = Instant::now();
         (Job { text: String::new(), queued: now, give_up: now + give_up_in, reply }, answer)
@@ -311,7 +336,7 @@ mod tests {
         queue.push("p", j).unwrap();
         std::thread::sleep(Duration::from_millis(2));
         assert!(queue.batch(Instant::now()).is_empty());
-        assert!(answer.recv().unwrap().unwrap_err().contains("busy"));
+        assert!(answer.recv().unwrap().vector.unwrap_err().contains("busy"));
         assert_eq!(queue.waiting, 0);
         assert!(queue.by_owner.is_empty() && queue.turn.is_empty());
     }

@@ -13,13 +13,23 @@ pub mod metrics;
 
 pub use crate::state::PluginBounds;
 use crate::state::{State, Take, VectorEntry, kv::LocalKv, vectors::LocalVectors};
+use std::future::Future;
 use std::sync::Arc;
 
 /// Turns text into unit-length vectors (the semantic cache's model).
 pub trait Embedder: Send + Sync {
     /// Embeds `text` for plugin `owner`, waiting at most `max_wait` for the
     /// model to take it (texts are served fairly between owners).
-    fn embed(&self, owner: &str, text: &str, max_wait: std::time::Duration) -> Result<Vec<f32>, String>;
+    fn embed(&self, owner: &str, text: &str, max_wait: std::time::Duration) -> Embedded;
+}
+
+/// One embedding, and how long it waited on others.
+pub struct Embedded {
+    /// The unit-length vector, or why there is none.
+    pub vector: Result<Vec<f32>, String>,
+    /// Time spent behind other texts: in the queue, and the others' share
+    /// of the batch it was embedded in.
+    pub waited: std::time::Duration,
 }
 
 /// Everything plugins can call, shared by all of them; keys arrive as
@@ -31,6 +41,8 @@ pub struct Capabilities {
     pub metrics: metrics::PluginMetrics,
     /// The embedding model, when one is configured.
     pub embedder: Option<Arc<dyn Embedder>>,
+    /// The runtime Redis connections live on (set when sharing starts).
+    home: std::sync::OnceLock<tokio::runtime::Handle>,
 }
 
 impl Capabilities {
@@ -41,7 +53,12 @@ impl Capabilities {
 
     /// Capabilities over `state`, with no embedding model.
     pub fn new(state: State) -> Self {
-        Self { state: Arc::new(state), metrics: metrics::PluginMetrics::default(), embedder: None }
+        Self::over(Arc::new(state))
+    }
+
+    /// Capabilities over `state`, shared with its other users.
+    pub fn over(state: Arc<State>) -> Self {
+        Self { state, metrics: metrics::PluginMetrics::default(), embedder: None, home: std::sync::OnceLock::new() }
     }
 
     /// Starts indexing the other replicas' vector entries and watching for
@@ -49,6 +66,9 @@ impl Capabilities {
     /// the state is dropped.
     pub fn start_sharing(&self) {
         if let Some(redis) = self.state.redis.clone() {
+            if let Ok(home) = tokio::runtime::Handle::try_current() {
+                let _ = self.home.set(home);
+            }
             let state = Arc::downgrade(&self.state);
             let follower = redis.clone();
             tokio::spawn(async move { follower.follow_vectors(state).await });
@@ -72,32 +92,54 @@ impl Capabilities {
         &self.state.local.vectors
     }
 
+    /// Runs a call of the shared state on the runtime its Redis connections
+    /// live on. A plugin call that moved to the plugin threads would
+    /// otherwise reconnect Redis there, and every later Redis call would
+    /// depend on threads that busy plugins fill.
+    async fn at_home<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(Arc<State>) -> std::pin::Pin<Box<dyn Future<Output = Result<T, String>> + Send>>,
+    ) -> Result<T, String> {
+        let state = self.state.clone();
+        match self.home.get() {
+            Some(home) if tokio::runtime::Handle::try_current().map(|h| h.id()).ok() != Some(home.id()) => {
+                home.spawn(work(state)).await.map_err(|e| format!("shared state: {e}"))?
+            }
+            _ => work(state).await,
+        }
+    }
+
     /// The live value of `key`.
     pub async fn kv_get(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
-        self.state.kv_get(key).await
+        let key = key.to_string();
+        self.at_home(|state| Box::pin(async move { state.kv_get(&key).await })).await
     }
 
     /// Stores `value` for `ttl_ms` (0 = no expiry), within the plugin's
     /// largest entry with either backend.
     pub async fn kv_set(&self, key: &str, value: Vec<u8>, ttl_ms: u64) -> Result<(), String> {
         self.state.local.check_kv_entry(key, &value)?;
-        self.state.kv_set(key, &value, ttl_ms).await
+        let key = key.to_string();
+        self.at_home(|state| Box::pin(async move { state.kv_set(&key, &value, ttl_ms).await })).await
     }
 
     /// Adds `delta` to the integer at `key` atomically; a new key gets `ttl_ms`.
     pub async fn kv_incr(&self, key: &str, delta: i64, ttl_ms: u64) -> Result<i64, String> {
-        self.state.kv_incr(key, delta, ttl_ms).await
+        let key = key.to_string();
+        self.at_home(|state| Box::pin(async move { state.kv_incr(&key, delta, ttl_ms).await })).await
     }
 
     /// Removes `key`.
     pub async fn kv_delete(&self, key: &str) -> Result<(), String> {
-        self.state.kv_delete(key).await
+        let key = key.to_string();
+        self.at_home(|state| Box::pin(async move { state.kv_delete(&key).await })).await
     }
 
     /// Takes `cost` tokens from bucket `key` atomically (a negative cost refunds).
     pub async fn take(&self, key: &str, capacity: f64, refill_per_sec: f64, cost: f64) -> Result<Take, String> {
         crate::state::bucket::check(capacity, refill_per_sec, cost)?;
-        self.state.take(key, capacity, refill_per_sec, cost).await
+        let key = key.to_string();
+        self.at_home(|state| Box::pin(async move { state.take(&key, capacity, refill_per_sec, cost).await })).await
     }
 
     /// Stores `vector` with `payload` for `ttl_ms` here and, with Redis, for every replica.
@@ -115,6 +157,6 @@ impl Capabilities {
             expires_unix_ms: if ttl_ms > 0 { crate::state::unix_ms().saturating_add(ttl_ms) } else { 0 },
             origin: self.state.redis.as_ref().map_or_else(String::new, |r| r.replica.clone()),
         };
-        self.state.vector_insert(&entry).await
+        self.at_home(|state| Box::pin(async move { state.vector_insert(&entry).await })).await
     }
 }

@@ -14,7 +14,7 @@ use super::stats::{Fault, PluginStats};
 use crate::capabilities::Capabilities;
 use crate::config::{Mode, OnFault, PluginConfig};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
@@ -25,8 +25,9 @@ use wasmtime::{Store, Trap, UpdateDeadline};
 const HOST_CALL_GRACE: Duration = Duration::from_millis(2);
 
 /// How long plugin work that is not done at once keeps running on the
-/// caller's thread before it moves to the plugin threads (two epoch ticks
-/// at the default 500 µs).
+/// caller's thread before it moves to the plugin threads, counted from its
+/// first pause and checked when it next pauses: a guest that computes
+/// moves after about three epoch ticks (1.5 ms at the default 500 µs).
 const INLINE_SLICE: Duration = Duration::from_millis(1);
 
 /// Longest coalescing key a plugin may return.
@@ -82,6 +83,7 @@ struct Slot {
 /// idle pool warm.
 struct Factory {
     name: Arc<str>,
+    version: String,
     settings: CallSettings,
     config_json: Arc<str>,
     pre: PluginPre<PluginState>,
@@ -101,6 +103,10 @@ struct Factory {
     warm_failures: Arc<Mutex<(u32, Option<Instant>)>>,
     /// Set when this version leaves the chain: its warmer stops.
     retired: Arc<AtomicBool>,
+    /// Linear memory this version's instances hold together, bytes.
+    memory: Arc<AtomicUsize>,
+    /// Calls of this version waiting on a host capability right now.
+    host_waits: Arc<AtomicUsize>,
 }
 
 /// One version of one plugin, ready to call.
@@ -119,6 +125,9 @@ pub struct LoadedPlugin {
     settings: CallSettings,
     factory: Arc<Factory>,
 }
+
+/// A call's fault that its work did not record (it never reached an instance).
+struct Unrecorded(Fault);
 
 /// One hook call, with its arguments: it travels to the plugin threads.
 enum Call {
@@ -298,7 +307,7 @@ impl Factory {
         let factory = self.clone();
         self.run(async move { factory.make_here(budget, permit).await })
             .await
-            .unwrap_or_else(|e| Err(Fault::Instantiate(format!("the plugin threads stopped: {e}"))))
+            .unwrap_or_else(|e| Err(Fault::HostBusy(format!("the plugin threads stopped: {e}"))))
     }
 
     /// Runs plugin work where it costs least: on the caller's thread while
@@ -337,8 +346,9 @@ impl Factory {
     /// Makes and initialises an instance whose `init` must finish within
     /// `budget`, holding `permit`.
     async fn make_here(&self, budget: Duration, permit: OwnedSemaphorePermit) -> Result<(Slot, Manifest), Fault> {
-        let memory = (self.settings.memory_bytes, self.settings.memory_total_bytes);
+        let memory = (self.settings.memory_bytes, self.memory.clone(), self.settings.memory_total_bytes);
         let state = PluginState::new(self.name.clone(), memory, self.caps.clone(), self.stats.clone());
+        state.wait.count_in(self.host_waits.clone());
         let mut store = Store::new(&self.engine, state);
         store.limiter(|state| &mut state.cap);
         store.epoch_deadline_callback(|ctx| {
@@ -387,6 +397,33 @@ impl Factory {
         } else {
             // The whole reason, on one bounded line.
             Fault::Trap(super::logs::one_line(&format!("{error:#}")))
+        }
+    }
+
+    /// Records one call of `hook` that started at `started`, logs its fault
+    /// (within the plugin's fault-log rate) and says when it tipped the
+    /// plugin into quarantine. A retired version's faults are counted but
+    /// never quarantine the name: its successor starts afresh.
+    fn finish(&self, hook: Hook, started: Instant, outcome: Result<(), &Fault>) {
+        let retired = self.retired.load(Ordering::Acquire);
+        let after = if retired { u32::MAX } else { self.settings.quarantine_after };
+        let fault = outcome.err();
+        let tipped = self.stats.record(hook, started.elapsed(), fault, after, !retired);
+        if let Some(fault) = fault
+            && self.stats.fault_logs.admit() == super::logs::Verdict::Write
+        {
+            tracing::warn!(plugin = &*self.name, version = %self.version, hook = hook.name(), "plugin fault: {fault}");
+        }
+        if tipped {
+            tracing::error!(
+                plugin = &*self.name,
+                version = %self.version,
+                "plugin quarantined after repeated faults ({} in a row, or half of its last {} calls); load a fixed \
+                 version, or lift it with POST /admin/plugins/{}/lift-quarantine",
+                self.settings.quarantine_after,
+                super::stats::RATE_WINDOW,
+                self.name
+            );
         }
     }
 
@@ -461,8 +498,11 @@ impl Factory {
 
 impl Drop for LoadedPlugin {
     fn drop(&mut self) {
-        // This version has left every chain: its warmer stops, its instances go.
+        // This version has left every chain: its warmer stops, its idle instances go.
         self.factory.retired.store(true, Ordering::Release);
+        if let Ok(mut idle) = self.factory.idle.lock() {
+            idle.clear();
+        }
     }
 }
 
@@ -486,6 +526,7 @@ impl LoadedPlugin {
         let name: Arc<str> = Arc::from(config.name.as_str());
         let factory = Arc::new(Factory {
             name: name.clone(),
+            version: version.clone(),
             settings: settings.clone(),
             config_json: Arc::from(config_json),
             pre,
@@ -499,6 +540,8 @@ impl LoadedPlugin {
             warming: Arc::default(),
             warm_failures: Arc::default(),
             retired: Arc::default(),
+            memory: Arc::default(),
+            host_waits: Arc::default(),
         });
         let permit = factory.live.clone().try_acquire_owned().map_err(|e| e.to_string())?;
         let (slot, manifest) = factory.make(settings.init_budget, permit).await.map_err(|fault| match fault {
@@ -529,6 +572,11 @@ impl LoadedPlugin {
         self.config.mode
     }
 
+    /// Linear memory this version's instances hold together, bytes.
+    pub fn memory_bytes(&self) -> usize {
+        self.factory.memory.load(Ordering::Relaxed)
+    }
+
     /// Idle instances right now.
     pub fn idle_instances(&self) -> usize {
         self.factory.idle_count()
@@ -537,25 +585,15 @@ impl LoadedPlugin {
     async fn call(&self, call: Call) -> Result<Answer, Fault> {
         let hook = call.hook();
         let started = Instant::now();
-        let outcome = self.call_inner(call).await;
-        let tipped = self.stats.record(hook, started.elapsed(), outcome.as_ref().err(), self.settings.quarantine_after);
-        if let Err(fault) = &outcome
-            && self.stats.fault_logs.admit() == super::logs::Verdict::Write
-        {
-            tracing::warn!(plugin = &*self.name, version = %self.version, hook = hook.name(), "plugin fault: {fault}");
+        // The work records its own outcome (see `call_inner`); only a call
+        // that never reached an instance is recorded here.
+        match self.call_inner(call, started).await {
+            Err(Unrecorded(fault)) => {
+                self.factory.finish(hook, started, Err(&fault));
+                Err(fault)
+            }
+            Ok(outcome) => outcome,
         }
-        if tipped {
-            tracing::error!(
-                plugin = &*self.name,
-                version = %self.version,
-                "plugin quarantined after repeated faults ({} in a row, or half of its last {} calls); load a fixed \
-                 version, or lift it with POST /admin/plugins/{}/lift-quarantine",
-                self.settings.quarantine_after,
-                super::stats::RATE_WINDOW,
-                self.name
-            );
-        }
-        outcome
     }
 
     /// An instance for one call, by `deadline`: an idle one, one that comes
@@ -590,6 +628,15 @@ impl LoadedPlugin {
                 }
                 _ = returned => continue,
                 _ = tokio::time::sleep(left) => {
+                    // Instances held by calls that wait on a saturated host
+                    // capability are the host's doing, not the plugin's.
+                    if factory.host_waits.load(Ordering::Relaxed) > 0 {
+                        return Err(Fault::HostBusy(format!(
+                            "no instance was free within the call's budget of {:?}: the plugin's calls are waiting \
+                             on the host",
+                            self.settings.budget
+                        )));
+                    }
                     return Err(Fault::Instantiate(format!(
                         "no instance was free within the call's budget of {:?} (all {} of the plugin's were busy)",
                         self.settings.budget, self.settings.max_instances
@@ -599,16 +646,18 @@ impl LoadedPlugin {
         }
     }
 
-    async fn call_inner(&self, call: Call) -> Result<Answer, Fault> {
+    async fn call_inner(&self, call: Call, started: Instant) -> Result<Result<Answer, Fault>, Unrecorded> {
         // One budget for the whole call: waiting for an instance, a new
         // instance's `init`, and the hook itself.
         let budget = self.settings.budget;
-        let deadline = Instant::now() + budget;
-        let mut slot = self.instance(deadline).await?;
+        let deadline = started + budget;
+        let mut slot = self.instance(deadline).await.map_err(Unrecorded)?;
         let factory = self.factory.clone();
-        // The call puts its instance back itself: once on the plugin
-        // threads, it ends the same way if the request goes away.
-        let answer = self.factory.run(async move {
+        // The work puts its instance back and records its outcome itself:
+        // once on the plugin threads, it ends the same way if the request
+        // goes away.
+        let hook = call.hook();
+        let work = self.factory.run(async move {
             slot.store.data_mut().deadline = deadline;
             let cap = factory.settings.host_wait + HOST_WAIT_SLACK;
             slot.store.data_mut().host_wait_left = cap;
@@ -616,19 +665,24 @@ impl LoadedPlugin {
             let wait = slot.store.data().wait.clone();
             wait.reset();
             let left = deadline.saturating_duration_since(Instant::now());
-            let call = invoke(&slot.plugin, &mut slot.store, &call);
-            let answer = match within(left + HOST_CALL_GRACE, &wait, cap, call).await {
-                Err(_) => return Err(Fault::Deadline(budget)),
-                Ok(Err(error)) => return Err(factory.classify(&error, &slot.store)),
-                Ok(Ok(answer)) => answer,
+            let invoked = invoke(&slot.plugin, &mut slot.store, &call);
+            let outcome = match within(left + HOST_CALL_GRACE, &wait, cap, invoked).await {
+                Err(_) => Err(Fault::Deadline(budget)),
+                Ok(Err(error)) => Err(factory.classify(&error, &slot.store)),
+                Ok(Ok(answer)) => {
+                    // The instance is sound even when its decision is not.
+                    factory.put_back(slot);
+                    validate(&answer, &factory.settings).map(|()| answer)
+                }
             };
-            // The instance is sound even when its decision is not.
-            factory.put_back(slot);
-            Ok(answer)
+            factory.finish(hook, started, outcome.as_ref().map(|_| ()));
+            outcome
         });
-        let answer = answer.await.unwrap_or_else(|e| Err(Fault::Trap(format!("the plugin threads stopped: {e}"))))?;
-        validate(&answer, &self.settings)?;
-        Ok(answer)
+        match work.await {
+            Ok(outcome) => Ok(outcome),
+            // The plugin threads are shutting down with the server.
+            Err(e) => Err(Unrecorded(Fault::HostBusy(format!("the plugin threads stopped: {e}")))),
+        }
     }
 
     /// Calls `admit`.

@@ -19,8 +19,9 @@ pub struct MemoryCap {
     /// Linear memory of all the plugin's instances together, and its bound.
     total: Arc<AtomicUsize>,
     total_max: usize,
-    /// What this instance adds to `total`.
+    /// What this instance adds to `total`, and its last approved growth.
     held: usize,
+    last_grow: usize,
     /// Set when a growth past the cap was refused: the cap, in bytes.
     pub exceeded: Option<usize>,
 }
@@ -30,7 +31,7 @@ impl MemoryCap {
     /// `total_max` for all those counted in `total`, trapping on a refused growth.
     pub fn new(bytes: usize, total: Arc<AtomicUsize>, total_max: usize) -> Self {
         let limits = StoreLimitsBuilder::new().memory_size(bytes).trap_on_grow_failure(true).build();
-        Self { limits, instance_max: bytes, total, total_max, held: 0, exceeded: None }
+        Self { limits, instance_max: bytes, total, total_max, held: 0, last_grow: 0, exceeded: None }
     }
 }
 
@@ -61,7 +62,16 @@ impl ResourceLimiter for MemoryCap {
             );
         }
         self.held += grow;
+        self.last_grow = grow;
         Ok(true)
+    }
+
+    fn memory_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        // Approved here but refused by the engine: give the share back.
+        self.total.fetch_sub(self.last_grow, Ordering::Relaxed);
+        self.held -= self.last_grow;
+        self.last_grow = 0;
+        self.limits.memory_grow_failed(error)
     }
 
     fn table_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
@@ -81,6 +91,8 @@ pub struct HostWait {
     extended_us: AtomicU64,
     /// Microseconds since [`origin`] plus one when a wait began; 0 when none is in progress.
     since_us: AtomicU64,
+    /// Calls of the plugin version waiting on the host now (shared by its instances).
+    waiting: std::sync::OnceLock<Arc<AtomicUsize>>,
 }
 
 fn origin() -> Instant {
@@ -95,13 +107,24 @@ impl HostWait {
         self.since_us.store(0, Ordering::Relaxed);
     }
 
+    /// Counts this instance's waits in `waiting` (its plugin version's count).
+    pub fn count_in(&self, waiting: Arc<AtomicUsize>) {
+        let _ = self.waiting.set(waiting);
+    }
+
     fn begin(&self) {
         self.since_us.store(origin().elapsed().as_micros() as u64 + 1, Ordering::Relaxed);
+        if let Some(waiting) = self.waiting.get() {
+            waiting.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     fn end(&self, excused: Duration) {
         self.since_us.store(0, Ordering::Relaxed);
         self.extended_us.fetch_add(excused.as_micros() as u64, Ordering::Relaxed);
+        if let Some(waiting) = self.waiting.get() {
+            waiting.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     /// How far the call's deadline has moved, counting a wait in progress
@@ -141,18 +164,19 @@ pub struct PluginState {
 }
 
 impl PluginState {
-    /// State for an instance of `plugin` capped at `memory_bytes`, whose
-    /// instances together hold at most `memory_total_bytes`; `stats` are
-    /// the plugin's (its log rate and memory held among them).
+    /// State for an instance of `plugin` capped at `memory_bytes`, counted
+    /// in `memory_total` with the other instances of its version, which
+    /// together hold at most `memory_total_bytes`; `stats` are the plugin's
+    /// (its log rate among them).
     pub fn new(
         plugin: Arc<str>,
-        (memory_bytes, memory_total_bytes): (usize, usize),
+        (memory_bytes, memory_total, memory_total_bytes): (usize, Arc<AtomicUsize>, usize),
         caps: Arc<Capabilities>,
         stats: Arc<super::stats::PluginStats>,
     ) -> Self {
         Self {
             plugin,
-            cap: MemoryCap::new(memory_bytes, stats.memory.clone(), memory_total_bytes),
+            cap: MemoryCap::new(memory_bytes, memory_total, memory_total_bytes),
             deadline: Instant::now(),
             host_wait_left: Duration::ZERO,
             wait: Arc::default(),
@@ -251,18 +275,20 @@ impl embeddings::Host for PluginState {
             return Err("no embedding model is configured on this host".to_string());
         };
         // The model is shared: time spent waiting for it (behind other
-        // plugins' texts, or a full blocking pool) moves this call's
+        // plugins' texts, and their share of a batch) moves this call's
         // deadline rather than counting against its budget, up to the
-        // call's host-wait allowance, and is reported on its own.
-        let (owner, started) = (self.plugin.clone(), Instant::now());
+        // call's host-wait allowance, and is reported on its own. The
+        // embedding of its own text is the call's.
+        let owner = self.plugin.clone();
         // The queue wait ends early enough to leave time for the embedding itself.
         let queue_wait = self.host_wait_left.saturating_sub(HOST_WAIT_SLACK);
         self.wait.begin();
-        let result = tokio::task::spawn_blocking(move || embedder.embed(&owner, &text, queue_wait))
-            .await
-            .map_err(|e| format!("embedding failed: {e}"))
-            .and_then(|r| r);
-        self.excuse(started.elapsed());
+        let embedded = tokio::task::spawn_blocking(move || embedder.embed(&owner, &text, queue_wait)).await;
+        let (result, waited) = match embedded {
+            Ok(embedded) => (embedded.vector, embedded.waited),
+            Err(e) => (Err(format!("embedding failed: {e}")), Duration::ZERO),
+        };
+        self.excuse(waited);
         result
     }
 }

@@ -72,8 +72,6 @@ pub struct PluginStats {
     pub fault_logs: super::logs::LogLimit,
     /// Time its calls waited on saturated host capabilities, microseconds.
     host_wait_us: AtomicU64,
-    /// Linear memory its instances hold together, bytes.
-    pub memory: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Default for PluginStats {
@@ -90,18 +88,24 @@ impl Default for PluginStats {
             logs: Default::default(),
             fault_logs: super::logs::LogLimit::with_rate(5.0),
             host_wait_us: AtomicU64::new(0),
-            memory: Default::default(),
         }
     }
 }
 
 impl PluginStats {
     /// Records one call of `hook` that took `elapsed`. Returns true when this
-    /// fault tipped the plugin into quarantine.
+    /// fault tipped the plugin into quarantine (never unless `may_quarantine`).
     /// The plugin is quarantined after `quarantine_after` faults in a row,
     /// or when half or more of its last [`RATE_WINDOW`] calls faulted (a
     /// plugin that faults every other call never has a long run).
-    pub fn record(&self, hook: Hook, elapsed: Duration, fault: Option<&Fault>, quarantine_after: u32) -> bool {
+    pub fn record(
+        &self,
+        hook: Hook,
+        elapsed: Duration,
+        fault: Option<&Fault>,
+        quarantine_after: u32,
+        may_quarantine: bool,
+    ) -> bool {
         let h = hook.index();
         self.calls[h].fetch_add(1, Ordering::Relaxed);
         self.latency[h].observe(elapsed.as_secs_f64());
@@ -122,7 +126,9 @@ impl PluginStats {
                 self.hook_faults[h].fetch_add(1, Ordering::Relaxed);
                 self.faults[kind].fetch_add(1, Ordering::Relaxed);
                 let run = self.consecutive_faults.fetch_add(1, Ordering::Relaxed) + 1;
-                (run >= quarantine_after || faulty_share) && !self.quarantined.swap(true, Ordering::Relaxed)
+                may_quarantine
+                    && (run >= quarantine_after || faulty_share)
+                    && !self.quarantined.swap(true, Ordering::Relaxed)
             }
         }
     }

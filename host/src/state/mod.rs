@@ -144,23 +144,24 @@ impl State {
         self.serve(|store| store.take(key, capacity, refill_per_sec, cost)).await
     }
 
-    /// Indexes `entry` here and, with Redis, publishes it for every other
-    /// replica. It is indexed here first, so that an entry this replica
-    /// refuses (its plugin's bounds, its dimensions) is never published;
-    /// when Redis is unreachable the rule decides whether the call fails.
+    /// Publishes `entry` for every other replica (with Redis) and indexes it
+    /// here. An entry this replica would refuse (its plugin's bounds, its
+    /// dimensions) is never published; when Redis is unreachable the rule
+    /// decides: `open` indexes it here only, `closed` fails the call and
+    /// indexes nothing, so replicas do not drift apart.
     pub async fn vector_insert(&self, entry: &VectorEntry) -> Result<(), String> {
-        self.local.vector_insert(entry).await.map_err(|failure| match failure {
-            Failure::Outage(message) | Failure::Refused(message) => message,
-        })?;
+        self.local.vectors.check(&entry.namespace, &entry.vector, entry.payload.len())?;
         if self.redis.is_some() {
             self.serve(|store| match store.is_local() {
-                // Falling back: it is already indexed here.
+                // Falling back: indexed below.
                 true => Box::pin(std::future::ready(Ok(()))),
                 false => store.vector_insert(entry),
             })
             .await?;
         }
-        Ok(())
+        self.local.vector_insert(entry).await.map_err(|failure| match failure {
+            Failure::Outage(message) | Failure::Refused(message) => message,
+        })
     }
 
     /// Writes the shared state's series (with Redis only), and `flights`'

@@ -248,6 +248,25 @@ impl LocalVectors {
         }
     }
 
+    /// Whether [`LocalVectors::insert`] would take `vector` with a payload
+    /// of `payload_bytes` into `namespace` (its values, its size against
+    /// the plugin's bounds, its dimensions against the namespace's).
+    pub fn check(&self, namespace: &str, vector: &[f32], payload_bytes: usize) -> Result<(), String> {
+        unit(vector)?;
+        let plugin = self.owner(owner(namespace));
+        let max_bytes = self.bounds.max_bytes.min(plugin.bounds().1);
+        let bytes = vector.len() * 4 + payload_bytes + ENTRY_OVERHEAD;
+        if bytes > max_bytes {
+            return Err(format!("entry of {bytes} bytes exceeds the namespace bound of {max_bytes} bytes"));
+        }
+        if let Some(dims) = plugin.lock().get(namespace).and_then(|ns| ns.entries.first()).map(|e| e.vector.len())
+            && dims != vector.len()
+        {
+            return Err(format!("namespace `{namespace}` holds {dims}-dimensional vectors, got {}", vector.len()));
+        }
+        Ok(())
+    }
+
     /// Stores `vector` (normalised) with `payload` for `ttl_ms` (0 = no expiry).
     pub fn insert(&self, namespace: &str, vector: &[f32], payload: Vec<u8>, ttl_ms: u64) -> Result<(), String> {
         let vector = unit(vector)?;
