@@ -446,6 +446,13 @@ pub struct PluginConfig {
     /// Bytes of all the plugin's vector namespaces together.
     #[serde(default = "default_vector_max_bytes")]
     pub vector_max_bytes: usize,
+    /// Custom metric series the plugin may create; more are refused.
+    #[serde(default = "default_metric_series")]
+    pub metric_series: usize,
+}
+
+fn default_metric_series() -> usize {
+    crate::capabilities::metrics::DEFAULT_SERIES
 }
 
 fn default_kv_max_bytes() -> u64 {
@@ -482,6 +489,7 @@ impl PluginConfig {
             buckets: self.max_buckets,
             vector_namespaces: self.vector_max_namespaces,
             vector_bytes: self.vector_max_bytes,
+            metric_series: self.metric_series,
         }
     }
 }
@@ -774,6 +782,12 @@ impl Config {
                     plugin.kv_max_value_bytes,
                     plugin.max_buckets,
                     plugin.vector_max_namespaces
+                )));
+            }
+            if !(1..=100_000).contains(&plugin.metric_series) {
+                return Err(ConfigError::Invalid(format!(
+                    "plugins[{i}] ({}): metric-series must be between 1 and 100000, got {}",
+                    plugin.name, plugin.metric_series
                 )));
             }
             if plugin.max_instances == 0 || plugin.max_instances > runtime.max_instances as usize {

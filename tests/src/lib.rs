@@ -36,6 +36,7 @@ pub fn plugin(name: &str, path: impl Into<PathBuf>, config: serde_json::Value) -
         max_buckets: 100_000,
         vector_max_namespaces: 64,
         vector_max_bytes: 256 << 20,
+        metric_series: 256,
     }
 }
 

@@ -11,16 +11,20 @@ enum Value {
     Gauge(f64),
 }
 
-/// Counters and gauges by (metric name, plugin), so one name's series are adjacent.
+/// Counters and gauges by (metric name, plugin), so one name's series are
+/// adjacent; each plugin within its own number of series.
 #[derive(Default)]
 pub struct PluginMetrics {
     values: Mutex<BTreeMap<(String, String), Value>>,
+    /// Series each plugin holds, and the most it may (its `metric-series`).
+    series: Mutex<std::collections::HashMap<String, (usize, usize)>>,
 }
 
 /// Longest metric name a plugin may use.
 const MAX_NAME: usize = 64;
-/// Most metrics one plugin may create; more are dropped with a refusal.
-const MAX_PER_PLUGIN: usize = 256;
+/// Most metrics a plugin may create unless its entry says otherwise; more
+/// are dropped with a refusal.
+pub const DEFAULT_SERIES: usize = 256;
 
 fn valid(name: &str) -> bool {
     !name.is_empty()
@@ -39,11 +43,21 @@ impl PluginMetrics {
         let mut values = self.values.lock().unwrap_or_else(|p| p.into_inner());
         let key = (name.to_string(), plugin.to_string());
         let existing = values.get(&key).copied();
-        if existing.is_none() && values.keys().filter(|(_, p)| p == plugin).count() >= MAX_PER_PLUGIN {
-            return Err(format!("plugin {plugin} already has {MAX_PER_PLUGIN} metrics"));
+        if existing.is_none() {
+            let mut series = self.series.lock().unwrap_or_else(|p| p.into_inner());
+            let (held, max) = series.entry(plugin.to_string()).or_insert((0, DEFAULT_SERIES));
+            if *held >= *max {
+                return Err(format!("plugin {plugin} already has {max} metrics (its metric-series)"));
+            }
+            *held += 1;
         }
         values.insert(key, f(existing));
         Ok(())
+    }
+
+    /// Sets how many series `plugin` may hold (on every load of it).
+    pub fn set_max_series(&self, plugin: &str, max: usize) {
+        self.series.lock().unwrap_or_else(|p| p.into_inner()).entry(plugin.to_string()).or_insert((0, max)).1 = max;
     }
 
     /// Adds `delta` to counter `name` of `plugin`.
@@ -75,5 +89,30 @@ impl PluginMetrics {
             }
             let _ = writeln!(out, "{full}{{plugin=\"{plugin}\"}} {number}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_plugin_creates_series_within_its_own_bound() {
+        let metrics = PluginMetrics::default();
+        metrics.set_max_series("flood", 3);
+        for i in 0..3 {
+            metrics.counter_add("flood", &format!("m{i}"), 1).unwrap();
+        }
+        assert!(metrics.counter_add("flood", "m3", 1).unwrap_err().contains("metric-series"));
+        // Updating a series it has is not a new one; another plugin has its own bound.
+        metrics.counter_add("flood", "m0", 1).unwrap();
+        for i in 0..10 {
+            metrics.gauge_set("innocent", &format!("g{i}"), 1.0).unwrap();
+        }
+        let mut out = String::new();
+        metrics.render(&mut out);
+        assert!(out.contains("levee_plugin_m0{plugin=\"flood\"} 2"));
+        assert!(!out.contains("m3"));
+        assert!(out.contains("levee_plugin_g9{plugin=\"innocent\"} 1"));
     }
 }

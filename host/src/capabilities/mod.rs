@@ -80,6 +80,7 @@ impl Capabilities {
     /// Sets `plugin`'s bounds (on every load of it).
     pub fn set_plugin_bounds(&self, plugin: &str, bounds: PluginBounds) {
         self.state.local.set_plugin_bounds(plugin, bounds);
+        self.metrics.set_max_series(plugin, bounds.metric_series);
     }
 
     /// The local key-value store of the plugin that owns `key`.

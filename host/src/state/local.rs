@@ -22,6 +22,8 @@ pub struct PluginBounds {
     pub vector_namespaces: usize,
     /// Bytes of all its vector namespaces together.
     pub vector_bytes: usize,
+    /// Custom metric series it may create.
+    pub metric_series: usize,
 }
 
 impl Default for PluginBounds {
@@ -32,6 +34,7 @@ impl Default for PluginBounds {
             buckets: 100_000,
             vector_namespaces: 64,
             vector_bytes: 256 << 20,
+            metric_series: crate::capabilities::metrics::DEFAULT_SERIES,
         }
     }
 }
