@@ -238,9 +238,9 @@ pub struct PluginRuntimeConfig {
     /// Most text a cache hit may carry (over all its choices), bytes; a
     /// larger hit is a malformed decision.
     pub max_hit_bytes: usize,
-    /// Time one call may spend waiting on a host capability saturated by
-    /// others (the embedding model) without it counting against its time
-    /// budget, in milliseconds; past it the capability answers "busy".
+    /// Time one call may spend in the embedding model (waiting for its
+    /// turn and embedding) without it counting against its time budget, in
+    /// milliseconds; past it the model answers "busy".
     pub host_wait_ms: u64,
     /// Threads plugin code runs on, apart from the server's async workers
     /// (0: one per core).
@@ -675,6 +675,12 @@ impl Config {
             return Err(ConfigError::Invalid(format!(
                 "plugin-runtime.max-hit-bytes must be between 1024 and 64 MiB, got {}",
                 runtime.max_hit_bytes
+            )));
+        }
+        if !(1..=1000).contains(&runtime.quarantine_after) {
+            return Err(ConfigError::Invalid(format!(
+                "plugin-runtime.quarantine-after must be between 1 and 1000 faults in a row, got {}",
+                runtime.quarantine_after
             )));
         }
         if !(runtime.init_budget_ms > 0.0 && runtime.init_budget_ms <= 600_000.0) {

@@ -70,7 +70,7 @@ pub fn render_plugin_metrics(policies: &Policies, caps: &Capabilities, out: &mut
         out,
         "levee_plugin_host_wait_seconds_total",
         "counter",
-        "Time plugin calls waited on saturated host capabilities (the embedding model); not charged to their budgets.",
+        "Time plugin calls spent in the embedding model (waiting for it and embedding); not charged to their budgets.",
     );
     for p in chain.plugins() {
         let _ = writeln!(

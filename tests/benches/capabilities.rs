@@ -81,7 +81,6 @@ fn embed_and_search_at_100k() {
         .map(|i| {
             embedder
                 .embed("bench", &format!("What is the answer to question {i} about topic {}?", i * 7 % 31), WAIT)
-                .vector
                 .unwrap()
         })
         .collect();
@@ -104,7 +103,7 @@ fn embed_and_search_at_100k() {
     let mut exact = 0;
     for (i, question) in questions.iter().enumerate() {
         let t0 = Instant::now();
-        let vector = embedder.embed("bench", question, WAIT).vector.unwrap();
+        let vector = embedder.embed("bench", question, WAIT).unwrap();
         let t1 = Instant::now();
         let hits = caps.vectors().search("bench", &vector, 1, 0.0).unwrap();
         let t2 = Instant::now();

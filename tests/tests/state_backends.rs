@@ -23,6 +23,17 @@ fn redis_state(redis: &RedisServer, rule: RedisErrorRule) -> RedisState {
     }
 }
 
+/// A two-dimensional entry in plugin `p`'s namespace `cache`.
+fn cache_entry() -> VectorEntry {
+    VectorEntry {
+        namespace: "p:cache".into(),
+        vector: vec![1.0, 0.0],
+        payload: b"hit".to_vec(),
+        expires_unix_ms: 0,
+        origin: "suite".into(),
+    }
+}
+
 /// What every backend must do, run against `store`.
 async fn suite(name: &str, store: &dyn Store) {
     // Key-value: set, get, overwrite, delete, expiry.
@@ -63,14 +74,7 @@ async fn suite(name: &str, store: &dyn Store) {
     assert!(store.take("q:b", 3.0, 1.0, 3.0).await.unwrap().allowed, "{name}");
 
     // Vectors are accepted (where they are searched is the State's business).
-    let entry = VectorEntry {
-        namespace: "p:cache".into(),
-        vector: vec![1.0, 0.0],
-        payload: b"hit".to_vec(),
-        expires_unix_ms: 0,
-        origin: "suite".into(),
-    };
-    store.vector_insert(&entry).await.unwrap();
+    store.vector_insert(&cache_entry()).await.unwrap();
 }
 
 #[tokio::test]
@@ -109,13 +113,7 @@ async fn the_outage_rule_is_applied_once_for_every_call() {
         assert!(outcome.unwrap_err().contains("shared state unavailable"));
     }
     // A vector entry: indexed here only under the open rule; the closed rule fails it and indexes nothing.
-    let entry = VectorEntry {
-        namespace: "p:cache".into(),
-        vector: vec![1.0, 0.0],
-        payload: b"hit".to_vec(),
-        expires_unix_ms: 0,
-        origin: "r".into(),
-    };
+    let entry = cache_entry();
     open.vector_insert(&entry).await.unwrap();
     assert!(closed.vector_insert(&entry).await.unwrap_err().contains("shared state unavailable"));
     assert_eq!(open.local.vectors.search("p:cache", &[1.0, 0.0], 1, 0.0).unwrap().len(), 1);

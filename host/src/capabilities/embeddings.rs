@@ -7,7 +7,7 @@
 //! from them in turn, so one plugin's flood does not delay another's text
 //! by more than one text per batch.
 
-use super::{Embedded, Embedder};
+use super::Embedder;
 use fastembed::{InitOptionsUserDefined, Pooling, TextEmbedding, TokenizerFiles, UserDefinedEmbeddingModel};
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -68,7 +68,7 @@ struct Job {
     /// When it was queued, and by when it must have been started.
     queued: Instant,
     give_up: Instant,
-    reply: mpsc::Sender<Embedded>,
+    reply: mpsc::Sender<Result<Vec<f32>, String>>,
 }
 
 /// Texts waiting for the model, one queue per plugin, served in turn: a
@@ -118,8 +118,7 @@ impl FairQueue {
             }
             if job.give_up < now {
                 let waited = now.duration_since(job.queued);
-                let vector = Err(format!("the embedding model was busy for {waited:?}; try again later"));
-                let _ = job.reply.send(Embedded { vector, waited });
+                let _ = job.reply.send(Err(format!("the embedding model was busy for {waited:?}; try again later")));
                 continue;
             }
             batch.push(job);
@@ -216,23 +215,18 @@ impl MiniLm {
                         continue;
                     }
                     let texts: Vec<&str> = batch.iter().map(|j| j.text.as_str()).collect();
-                    let started = Instant::now();
                     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         embedding.embed(&texts, Some(batch.len()))
                     }));
-                    // Each text waited for its turn, and for the others' share of the batch.
-                    let others = started.elapsed().mul_f64((batch.len() - 1) as f64 / batch.len() as f64);
-                    let waited = |job: &Job| started.duration_since(job.queued) + others;
                     match outcome {
                         Ok(Ok(vectors)) => {
                             for (job, vector) in batch.iter().zip(vectors) {
-                                let _ = job.reply.send(Embedded { vector: Ok(unit(vector)), waited: waited(job) });
+                                let _ = job.reply.send(Ok(unit(vector)));
                             }
                         }
                         Ok(Err(e)) => {
                             for job in &batch {
-                                let vector = Err(format!("embedding failed: {e}"));
-                                let _ = job.reply.send(Embedded { vector, waited: waited(job) });
+                                let _ = job.reply.send(Err(format!("embedding failed: {e}")));
                             }
                         }
                         Err(_) => {
@@ -241,8 +235,8 @@ impl MiniLm {
                             // Answer everyone still waiting, not only this batch.
                             let queued = jobs.by_owner.drain().flat_map(|(_, q)| q);
                             for job in batch.iter().chain(queued.collect::<Vec<_>>().iter()) {
-                                let vector = Err("the embedding model failed; embeddings are off until restart".into());
-                                let _ = job.reply.send(Embedded { vector, waited: Duration::ZERO });
+                                let message = "the embedding model failed; embeddings are off until restart";
+                                let _ = job.reply.send(Err(message.to_string()));
                             }
                             jobs.turn.clear();
                             jobs.waiting = 0;
@@ -258,7 +252,7 @@ impl MiniLm {
 }
 
 impl Embedder for MiniLm {
-    fn embed(&self, owner: &str, text: &str, max_wait: Duration) -> Embedded {
+    fn embed(&self, owner: &str, text: &str, max_wait: Duration) -> Result<Vec<f32>, String> {
         let (reply, answer) = mpsc::channel();
         let mut cut = text.len().min(MAX_TEXT_BYTES);
         while !text.is_char_boundary(cut) {
@@ -268,20 +262,14 @@ impl Embedder for MiniLm {
         // A text that finds the model idle is never refused, however small its wait.
         let give_up = queued + max_wait + GIVE_UP_TOLERANCE;
         let job = Job { text: text[..cut].to_string(), queued, give_up, reply };
-        let pushed = self.queue.jobs.lock().unwrap_or_else(|p| p.into_inner()).push(owner, job);
-        if let Err(message) = pushed {
-            return Embedded { vector: Err(message), waited: Duration::ZERO };
-        }
+        self.queue.jobs.lock().unwrap_or_else(|p| p.into_inner()).push(owner, job)?;
         self.queue.ready.notify_one();
         match answer.recv_timeout(max_wait + COMPUTE_GRACE) {
-            Ok(embedded) => embedded,
-            Err(mpsc::RecvTimeoutError::Timeout) => Embedded {
-                vector: Err(format!("the embedding model did not answer within {:?}", max_wait + COMPUTE_GRACE)),
-                waited: queued.elapsed(),
-            },
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                Embedded { vector: Err("the embedding thread has stopped".to_string()), waited: Duration::ZERO }
+            Ok(result) => result,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                Err(format!("the embedding model did not answer within {:?}", max_wait + COMPUTE_GRACE))
             }
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err("the embedding thread has stopped".to_string()),
         }
     }
 }
@@ -290,7 +278,7 @@ impl Embedder for MiniLm {
 mod tests {
     use super::*;
 
-    fn job(give_up_in: Duration) -> (Job, mpsc::Receiver<Embedded>) {
+    fn job(give_up_in: Duration) -> (Job, mpsc::Receiver<Result<Vec<f32>, String>>) {
         let (reply, answer) = mpsc::channel();
         let now = Instant::now();
         (Job { text: String::new(), queued: now, give_up: now + give_up_in, reply }, answer)
@@ -336,7 +324,7 @@ mod tests {
         queue.push("p", j).unwrap();
         std::thread::sleep(Duration::from_millis(2));
         assert!(queue.batch(Instant::now()).is_empty());
-        assert!(answer.recv().unwrap().vector.unwrap_err().contains("busy"));
+        assert!(answer.recv().unwrap().unwrap_err().contains("busy"));
         assert_eq!(queue.waiting, 0);
         assert!(queue.by_owner.is_empty() && queue.turn.is_empty());
     }

@@ -20,16 +20,7 @@ use std::sync::Arc;
 pub trait Embedder: Send + Sync {
     /// Embeds `text` for plugin `owner`, waiting at most `max_wait` for the
     /// model to take it (texts are served fairly between owners).
-    fn embed(&self, owner: &str, text: &str, max_wait: std::time::Duration) -> Embedded;
-}
-
-/// One embedding, and how long it waited on others.
-pub struct Embedded {
-    /// The unit-length vector, or why there is none.
-    pub vector: Result<Vec<f32>, String>,
-    /// Time spent behind other texts: in the queue, and the others' share
-    /// of the batch it was embedded in.
-    pub waited: std::time::Duration,
+    fn embed(&self, owner: &str, text: &str, max_wait: std::time::Duration) -> Result<Vec<f32>, String>;
 }
 
 /// Everything plugins can call, shared by all of them; keys arrive as

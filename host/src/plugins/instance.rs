@@ -63,8 +63,8 @@ pub struct CallSettings {
     pub max_hit_bytes: usize,
     /// Most instances of the plugin alive at once, idle or busy.
     pub max_instances: usize,
-    /// Time one call may wait on saturated host capabilities without it
-    /// counting against its budget.
+    /// Time one call may spend in the embedding model without it counting
+    /// against its budget.
     pub host_wait: Duration,
     /// Linear memory of all the plugin's instances together, bytes.
     pub memory_total_bytes: usize,
@@ -628,8 +628,8 @@ impl LoadedPlugin {
                 }
                 _ = returned => continue,
                 _ = tokio::time::sleep(left) => {
-                    // Instances held by calls that wait on a saturated host
-                    // capability are the host's doing, not the plugin's.
+                    // Instances held by calls that wait on the host's
+                    // embedding model are the host's doing, not the plugin's.
                     if factory.host_waits.load(Ordering::Relaxed) > 0 {
                         return Err(Fault::HostBusy(format!(
                             "no instance was free within the call's budget of {:?}: the plugin's calls are waiting \

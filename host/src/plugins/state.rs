@@ -152,8 +152,8 @@ pub struct PluginState {
     pub cap: MemoryCap,
     /// When the current call must be done.
     pub deadline: Instant,
-    /// Time the current call may still spend waiting on a saturated host
-    /// capability without it counting against its budget.
+    /// Time the current call may still spend in the embedding model
+    /// without it counting against its budget.
     pub host_wait_left: Duration,
     /// The current call's host waits, read by the caller's timeout while it runs.
     pub wait: Arc<HostWait>,
@@ -274,21 +274,20 @@ impl embeddings::Host for PluginState {
         let Some(embedder) = self.caps.embedder.clone() else {
             return Err("no embedding model is configured on this host".to_string());
         };
-        // The model is shared: time spent waiting for it (behind other
-        // plugins' texts, and their share of a batch) moves this call's
+        // The model is the host's: time spent in it (waiting for its turn
+        // behind other plugins' texts, and embedding) moves this call's
         // deadline rather than counting against its budget, up to the
-        // call's host-wait allowance, and is reported on its own. The
-        // embedding of its own text is the call's.
-        let owner = self.plugin.clone();
+        // call's host-wait allowance, and is reported on its own. A
+        // plugin's budget pays for its own work.
+        let (owner, started) = (self.plugin.clone(), Instant::now());
         // The queue wait ends early enough to leave time for the embedding itself.
         let queue_wait = self.host_wait_left.saturating_sub(HOST_WAIT_SLACK);
         self.wait.begin();
-        let embedded = tokio::task::spawn_blocking(move || embedder.embed(&owner, &text, queue_wait)).await;
-        let (result, waited) = match embedded {
-            Ok(embedded) => (embedded.vector, embedded.waited),
-            Err(e) => (Err(format!("embedding failed: {e}")), Duration::ZERO),
-        };
-        self.excuse(waited);
+        let result = tokio::task::spawn_blocking(move || embedder.embed(&owner, &text, queue_wait))
+            .await
+            .map_err(|e| format!("embedding failed: {e}"))
+            .and_then(|r| r);
+        self.excuse(started.elapsed());
         result
     }
 }

@@ -70,7 +70,7 @@ pub struct PluginStats {
     pub logs: super::logs::LogLimit,
     /// The rate of host warnings about the plugin's faults.
     pub fault_logs: super::logs::LogLimit,
-    /// Time its calls waited on saturated host capabilities, microseconds.
+    /// Time its calls spent in the embedding model, microseconds.
     host_wait_us: AtomicU64,
 }
 
@@ -140,12 +140,12 @@ impl PluginStats {
         }
     }
 
-    /// Counts time a call waited on a saturated host capability (not charged to its budget).
+    /// Counts time a call spent in a host capability that is not charged to its budget (the embedding model).
     pub fn record_host_wait(&self, waited: Duration) {
         self.host_wait_us.fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
     }
 
-    /// Time calls waited on saturated host capabilities.
+    /// Time calls spent in host capabilities not charged to their budgets.
     pub fn host_wait(&self) -> Duration {
         Duration::from_micros(self.host_wait_us.load(Ordering::Relaxed))
     }
