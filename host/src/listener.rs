@@ -12,7 +12,6 @@ use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::Response;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use std::fmt::Write as _;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -26,9 +25,9 @@ use tokio::sync::{Notify, Semaphore};
 #[derive(Debug, Default)]
 pub struct ConnectionStats {
     open: AtomicUsize,
-    accepted: AtomicU64,
-    refused: AtomicU64,
-    timed_out: AtomicU64,
+    pub(crate) accepted: AtomicU64,
+    pub(crate) refused: AtomicU64,
+    pub(crate) timed_out: AtomicU64,
     in_flight: AtomicUsize,
     /// Notified when the last request in flight ends, and when the last connection closes.
     quiet: Notify,
@@ -55,31 +54,6 @@ impl ConnectionStats {
             }
             changed.await;
         }
-    }
-
-    /// Appends the connection metrics in Prometheus text format.
-    pub fn render(&self, out: &mut String) {
-        use crate::metrics::header;
-        header(out, "levee_connections_open", "gauge", "Client connections open now.");
-        let _ = writeln!(out, "levee_connections_open {}", self.open());
-        header(out, "levee_connections_accepted_total", "counter", "Client connections accepted.");
-        let _ = writeln!(out, "levee_connections_accepted_total {}", self.accepted.load(Ordering::Relaxed));
-        header(
-            out,
-            "levee_connections_refused_total",
-            "counter",
-            "Connections answered 503 and closed because max-connections were open.",
-        );
-        let _ = writeln!(out, "levee_connections_refused_total {}", self.refused.load(Ordering::Relaxed));
-        header(
-            out,
-            "levee_connections_timed_out_total",
-            "counter",
-            "Connections closed because a request's headers did not arrive in time (slow or idle clients).",
-        );
-        let _ = writeln!(out, "levee_connections_timed_out_total {}", self.timed_out.load(Ordering::Relaxed));
-        header(out, "levee_requests_in_flight", "gauge", "Requests being answered now.");
-        let _ = writeln!(out, "levee_requests_in_flight {}", self.in_flight());
     }
 }
 

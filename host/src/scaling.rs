@@ -19,7 +19,6 @@ use crate::telemetry::Telemetry;
 use levee_gpu::EngineHandle;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -531,54 +530,6 @@ impl Scaler {
                 }
             }
         });
-    }
-
-    /// Prometheus text: the decision and its signals.
-    pub fn render(&self, out: &mut String) {
-        let Some(d) = self.decision() else { return };
-        crate::metrics::header(out, "levee_desired_replicas", "gauge", "Replicas the fleet should have.");
-        let _ = writeln!(out, "levee_desired_replicas {}", d.desired_replicas);
-        crate::metrics::header(out, "levee_scaling_leader", "gauge", "1 when this replica made the latest decision.");
-        let _ = writeln!(out, "levee_scaling_leader {}", u8::from(self.is_leader()));
-        let (s, l) = (&d.signals, &d.signals.load);
-        let gauges: [(&str, &str, f64); 10] = [
-            ("levee_scale_queue_depth", "Requests waiting (fleet-wide with Redis).", f64::from(l.queue_depth)),
-            ("levee_scale_queue_trend", "Change of the queue depth per second.", f64::from(s.queue_trend)),
-            ("levee_scale_arrival_rate", "Requests arriving per second.", f64::from(s.arrival_rate)),
-            ("levee_scale_arrival_trend", "Change of the arrival rate per second.", f64::from(s.arrival_trend)),
-            (
-                "levee_scale_throughput_per_replica",
-                "Measured capacity of one replica, req/s.",
-                f64::from(s.throughput_per_replica),
-            ),
-            ("levee_scale_replicas", "Replicas serving.", f64::from(s.replicas)),
-            ("levee_scale_kv_usage", "Highest KV usage of any replica.", f64::from(l.kv_usage)),
-            (
-                "levee_scale_latency_p95_seconds",
-                "Highest p95 latency of any replica.",
-                f64::from(l.latency_p95_ms) / 1000.0,
-            ),
-            (
-                "levee_scale_ttft_p95_seconds",
-                "Highest p95 time to first token of any replica.",
-                f64::from(l.ttft_p95_ms) / 1000.0,
-            ),
-            ("levee_scale_running", "Sequences running.", f64::from(l.running)),
-        ];
-        for (name, help, value) in gauges {
-            crate::metrics::header(out, name, "gauge", help);
-            let _ = writeln!(out, "{name} {value}");
-        }
-        crate::metrics::header(out, "levee_scaling_actuator_runs_total", "counter", "Actuator commands run.");
-        let _ = writeln!(out, "levee_scaling_actuator_runs_total {}", self.actuator_runs.load(Ordering::Relaxed));
-        crate::metrics::header(
-            out,
-            "levee_scaling_actuator_failures_total",
-            "counter",
-            "Actuator commands that failed.",
-        );
-        let _ =
-            writeln!(out, "levee_scaling_actuator_failures_total {}", self.actuator_failures.load(Ordering::Relaxed));
     }
 }
 

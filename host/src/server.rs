@@ -8,104 +8,17 @@ use crate::capabilities::embeddings::MiniLm;
 use crate::coalesce::{Flights, Remote};
 use crate::config::Config;
 use crate::listener::Serving;
-use crate::metrics::header;
 use crate::pipeline::Pipeline;
-use crate::plugins::bindings::Hook;
-use crate::plugins::{FAULT_KINDS, PluginError, PluginRuntime, PluginSystem, Policies};
+use crate::plugins::{PluginError, PluginRuntime, PluginSystem};
 use crate::scaling::{Scaler, Sources};
 use crate::state::{RedisState, State};
 use crate::telemetry::Telemetry;
 use crate::tenancy::Tenancy;
 pub use axum::Router;
 use levee_gpu::{Engine, EngineConfig, EngineError, KvBudget, Model, ModelError};
-use std::fmt::Write;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-
-/// Renders the plugin runtime's metrics in Prometheus text format.
-pub fn render_plugin_metrics(policies: &Policies, caps: &Capabilities, out: &mut String) {
-    let chain = policies.snapshot();
-    header(out, "levee_plugin_calls_total", "counter", "Hook calls per plugin and hook.");
-    for p in chain.plugins() {
-        for hook in Hook::ALL.iter().filter(|h| p.declares(**h)) {
-            let _ = writeln!(
-                out,
-                "levee_plugin_calls_total{{plugin=\"{}\",hook=\"{}\"}} {}",
-                p.name,
-                hook.name(),
-                p.stats.calls(*hook)
-            );
-        }
-    }
-    header(
-        out,
-        "levee_plugin_faults_total",
-        "counter",
-        "Plugin faults by kind (trap, deadline, over-memory, malformed, instantiate).",
-    );
-    for p in chain.plugins() {
-        for (kind, n) in FAULT_KINDS.iter().zip(p.stats.faults_by_kind()) {
-            let _ = writeln!(out, "levee_plugin_faults_total{{plugin=\"{}\",kind=\"{kind}\"}} {n}", p.name);
-        }
-    }
-    header(out, "levee_plugin_quarantined", "gauge", "1 when the plugin is quarantined after repeated faults.");
-    for p in chain.plugins() {
-        let _ = writeln!(out, "levee_plugin_quarantined{{plugin=\"{}\"}} {}", p.name, u8::from(p.stats.quarantined()));
-    }
-    header(
-        out,
-        "levee_plugin_log_dropped_total",
-        "counter",
-        "Plugin log lines dropped because the plugin logged past its log-lines-per-sec.",
-    );
-    for p in chain.plugins() {
-        let _ = writeln!(out, "levee_plugin_log_dropped_total{{plugin=\"{}\"}} {}", p.name, p.stats.logs.dropped());
-    }
-    header(out, "levee_plugin_memory_bytes", "gauge", "Linear memory all of the plugin's instances hold together.");
-    for p in chain.plugins() {
-        let _ = writeln!(out, "levee_plugin_memory_bytes{{plugin=\"{}\"}} {}", p.name, p.memory_bytes());
-    }
-    header(
-        out,
-        "levee_plugin_host_wait_seconds_total",
-        "counter",
-        "Time plugin calls spent in the embedding model (waiting for it and embedding); not charged to their budgets.",
-    );
-    for p in chain.plugins() {
-        let _ = writeln!(
-            out,
-            "levee_plugin_host_wait_seconds_total{{plugin=\"{}\"}} {}",
-            p.name,
-            p.stats.host_wait().as_secs_f64()
-        );
-    }
-    header(out, "levee_plugin_shadow_overrides_total", "counter", "Shadow-mode decisions that were not applied.");
-    for p in chain.plugins() {
-        let _ = writeln!(
-            out,
-            "levee_plugin_shadow_overrides_total{{plugin=\"{}\"}} {}",
-            p.name,
-            p.stats.shadow_overrides()
-        );
-    }
-    header(
-        out,
-        "levee_plugin_hook_duration_seconds",
-        "histogram",
-        "Time of one hook call, including instance start-up.",
-    );
-    for p in chain.plugins() {
-        for hook in Hook::ALL.iter().filter(|h| p.declares(**h)) {
-            p.stats.latency(*hook).render(
-                "levee_plugin_hook_duration_seconds",
-                &format!("plugin=\"{}\",hook=\"{}\"", p.name, hook.name()),
-                out,
-            );
-        }
-    }
-    caps.metrics.render(out);
-}
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]

@@ -2,11 +2,10 @@
 //! requests, latencies and tokens, and the recent-window load snapshot that
 //! policies (`admit`, `shape`) and the scale tick read.
 
-use crate::metrics::{Histogram, header};
+use crate::metrics::Histogram;
 use crate::plugins::bindings::Load;
 use levee_gpu::{EngineStats, Timing};
 use std::collections::{BTreeMap, VecDeque};
-use std::fmt::Write;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -80,11 +79,11 @@ fn sorted(samples: &VecDeque<(Instant, f32)>) -> Vec<f32> {
 pub struct Telemetry {
     /// Counters.
     pub counters: Counters,
-    requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
-    ttft: Histogram,
-    itl: Histogram,
-    e2e: Histogram,
-    queue: Histogram,
+    pub(crate) requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
+    pub(crate) ttft: Histogram,
+    pub(crate) itl: Histogram,
+    pub(crate) e2e: Histogram,
+    pub(crate) queue: Histogram,
     window: Mutex<Window>,
     snapshot: Mutex<Option<(Instant, Load)>>,
 }
@@ -188,65 +187,5 @@ impl Telemetry {
             replicas: 1,
             ..percentiles
         }
-    }
-
-    /// Prometheus text for the server's own series.
-    pub fn render(&self, stats: &EngineStats, out: &mut String) {
-        header(out, "levee_requests_total", "counter", "HTTP requests by route and status.");
-        for ((route, status), n) in self.requests.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            let _ = writeln!(out, "levee_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}");
-        }
-        let histograms = [
-            ("levee_time_to_first_token_seconds", "Time from arrival to the first generated token.", &self.ttft),
-            ("levee_inter_token_latency_seconds", "Mean time between generated tokens, per request.", &self.itl),
-            (
-                "levee_e2e_request_latency_seconds",
-                "Time from arrival to the last byte, successful requests.",
-                &self.e2e,
-            ),
-            ("levee_queue_time_seconds", "Time a generation waited for the engine.", &self.queue),
-        ];
-        for (name, help, histogram) in histograms {
-            header(out, name, "histogram", help);
-            histogram.render(name, "", out);
-        }
-        let c = &self.counters;
-        let counters = [
-            ("levee_prompt_tokens_total", "Prompt tokens of generated requests.", &c.prompt_tokens),
-            ("levee_generation_tokens_total", "Tokens generated.", &c.generation_tokens),
-            ("levee_cache_hits_total", "Responses served from a cache plugin.", &c.cache_hits),
-            ("levee_cache_misses_total", "Lookups that found nothing.", &c.cache_misses),
-            ("levee_coalesced_requests_total", "Requests that shared another request's generation.", &c.coalesced),
-            ("levee_shed_requests_total", "Requests shed by a shape plugin.", &c.shed),
-            ("levee_degraded_requests_total", "Requests served degraded by a shape plugin.", &c.degraded),
-            ("levee_rejected_requests_total", "Requests rejected by an admit plugin.", &c.rejected),
-            ("levee_generations_total", "Generations started in the engine.", &c.generations),
-        ];
-        for (name, help, counter) in counters {
-            header(out, name, "counter", help);
-            let _ = writeln!(out, "{name} {}", counter.load(Ordering::Relaxed));
-        }
-        let gauges = [
-            ("levee_queue_depth", "Requests waiting for the engine.", stats.queue_depth as f64),
-            ("levee_queued_tokens", "Prompt tokens waiting for the engine.", stats.queued_tokens as f64),
-            ("levee_running_sequences", "Sequences being generated.", stats.running as f64),
-            ("levee_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", f64::from(stats.kv_usage)),
-            ("levee_decode_tokens_per_second", "Generated tokens per second, recent.", stats.decode_tokens_per_s),
-            (
-                "levee_prefill_tokens_per_second",
-                "Prompt tokens processed per second, recent.",
-                stats.prefill_tokens_per_s,
-            ),
-        ];
-        for (name, help, value) in gauges {
-            header(out, name, "gauge", help);
-            let _ = writeln!(out, "{name} {value}");
-        }
-        header(out, "levee_preemptions_total", "counter", "Sequences preempted when the KV cache ran out.");
-        let _ = writeln!(out, "levee_preemptions_total {}", stats.preemptions);
-        header(out, "levee_engine_generated_tokens_total", "counter", "Tokens the engine generated.");
-        let _ = writeln!(out, "levee_engine_generated_tokens_total {}", stats.generated_tokens);
-        header(out, "levee_engine_sequences_started_total", "counter", "Sequences the engine admitted.");
-        let _ = writeln!(out, "levee_engine_sequences_started_total {}", stats.sequences_started);
     }
 }

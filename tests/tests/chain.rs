@@ -94,7 +94,7 @@ async fn every_hook_is_called_and_decisions_compose() {
         assert_eq!(caps.kv_get(&format!("first:calls:{hook}")).await.unwrap().as_deref(), Some(&b"1"[..]), "{hook}");
     }
     let mut metrics = String::new();
-    caps.metrics.render(&mut metrics);
+    levee::metrics::plugins(&system.policies, &caps, &mut metrics);
     assert!(metrics.contains("levee_plugin_calls_admit{plugin=\"first\"} 1"), "{metrics}");
 }
 

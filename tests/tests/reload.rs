@@ -163,7 +163,7 @@ async fn admin_routes_list_and_reload_behind_the_token() {
     assert!(body["error"]["message"].as_str().unwrap().contains("versioned"), "{body}");
 
     let mut metrics = String::new();
-    levee::server::render_plugin_metrics(&system.policies, &caps, &mut metrics);
+    levee::metrics::plugins(&system.policies, &caps, &mut metrics);
     assert!(metrics.contains("levee_plugin_calls_total{plugin=\"versioned\",hook=\"admit\"}"), "{metrics}");
     let _ = std::fs::remove_dir_all(dir);
 }

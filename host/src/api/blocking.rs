@@ -106,26 +106,6 @@ impl BlockingPool {
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
     }
-
-    /// Appends the pool's metrics in Prometheus text format.
-    pub fn render(&self, out: &mut String) {
-        use crate::metrics::header;
-        use std::fmt::Write as _;
-        header(
-            out,
-            "levee_prepare_pending",
-            "gauge",
-            "Requests being parsed, rendered or tokenized off the async workers, or waiting for a thread to do it.",
-        );
-        let _ = writeln!(out, "levee_prepare_pending {}", self.pending());
-        header(
-            out,
-            "levee_prepare_refused_total",
-            "counter",
-            "Requests refused with 503 because the preparation queue was full.",
-        );
-        let _ = writeln!(out, "levee_prepare_refused_total {}", self.refused());
-    }
 }
 
 #[cfg(test)]

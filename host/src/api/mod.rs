@@ -332,14 +332,7 @@ async fn ready(State(app): AppState) -> Response {
 }
 
 async fn metrics(State(app): AppState) -> Response {
-    let mut out = String::new();
-    let stats = app.pipeline.engine.stats();
-    app.pipeline.telemetry.render(&stats, &mut out);
-    crate::server::render_plugin_metrics(&app.pipeline.policies, &app.caps, &mut out);
-    app.scaling.render(&mut out);
-    app.connections.render(&mut out);
-    app.blocking.render(&mut out);
-    app.caps.state.render(app.pipeline.flights.remote().map(|r| &r.stats), &mut out);
+    let out = crate::metrics::render(&app);
     ([(CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 

@@ -2,11 +2,11 @@
 //! `levee_plugin_<name>{plugin="…"}`.
 
 use std::collections::BTreeMap;
-use std::fmt::Write;
 use std::sync::Mutex;
 
+/// One plugin series' value.
 #[derive(Debug, Clone, Copy)]
-enum Value {
+pub(crate) enum Value {
     Counter(u64),
     Gauge(f64),
 }
@@ -15,7 +15,7 @@ enum Value {
 /// adjacent; each plugin within its own number of series.
 #[derive(Default)]
 pub struct PluginMetrics {
-    values: Mutex<BTreeMap<(String, String), Value>>,
+    pub(crate) values: Mutex<BTreeMap<(String, String), Value>>,
     /// Series each plugin holds, and the most it may (its `metric-series`).
     series: Mutex<std::collections::HashMap<String, (usize, usize)>>,
 }
@@ -72,24 +72,6 @@ impl PluginMetrics {
     pub fn gauge_set(&self, plugin: &str, name: &str, value: f64) -> Result<(), String> {
         self.update(plugin, name, |_| Value::Gauge(value))
     }
-
-    /// Prometheus text exposition of every plugin metric.
-    pub fn render(&self, out: &mut String) {
-        let values = self.values.lock().unwrap_or_else(|p| p.into_inner());
-        let mut last = String::new();
-        for ((name, plugin), value) in values.iter() {
-            let full = format!("levee_plugin_{name}");
-            let (kind, number) = match value {
-                Value::Counter(n) => ("counter", *n as f64),
-                Value::Gauge(g) => ("gauge", *g),
-            };
-            if full != last {
-                let _ = writeln!(out, "# TYPE {full} {kind}");
-                last = full.clone();
-            }
-            let _ = writeln!(out, "{full}{{plugin=\"{plugin}\"}} {number}");
-        }
-    }
 }
 
 #[cfg(test)]
@@ -109,10 +91,9 @@ mod tests {
         for i in 0..10 {
             metrics.gauge_set("innocent", &format!("g{i}"), 1.0).unwrap();
         }
-        let mut out = String::new();
-        metrics.render(&mut out);
-        assert!(out.contains("levee_plugin_m0{plugin=\"flood\"} 2"));
-        assert!(!out.contains("m3"));
-        assert!(out.contains("levee_plugin_g9{plugin=\"innocent\"} 1"));
+        let values = metrics.values.lock().unwrap();
+        assert!(matches!(values.get(&("m0".to_string(), "flood".to_string())), Some(Value::Counter(2))));
+        assert!(!values.contains_key(&("m3".to_string(), "flood".to_string())));
+        assert_eq!(values.keys().filter(|(_, plugin)| plugin == "innocent").count(), 10);
     }
 }

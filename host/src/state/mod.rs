@@ -24,8 +24,6 @@ pub use local::{LocalStore, PluginBounds};
 pub use redis::{RedisState, VectorEntry, unix_ms};
 
 use crate::config::RedisErrorRule;
-use crate::metrics::header;
-use std::fmt::Write as _;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -162,38 +160,5 @@ impl State {
         self.local.vector_insert(entry).await.map_err(|failure| match failure {
             Failure::Outage(message) | Failure::Refused(message) => message,
         })
-    }
-
-    /// Writes the shared state's series (with Redis only), and `flights`'
-    /// when coalescing spans replicas.
-    pub fn render(&self, flights: Option<&flights::FlightStats>, out: &mut String) {
-        let Some(redis) = &self.redis else { return };
-        let load = |n: &AtomicU64| n.load(Ordering::Relaxed);
-        header(out, "levee_redis_up", "gauge", "1 while the last call reached Redis.");
-        let _ = writeln!(out, "levee_redis_up {}", u8::from(redis.is_up()));
-        header(out, "levee_redis_errors_total", "counter", "Calls that found Redis unreachable or slow.");
-        let _ = writeln!(out, "levee_redis_errors_total {}", load(&redis.stats.errors));
-        header(out, "levee_redis_fallbacks_total", "counter", "Calls served locally while Redis was unreachable.");
-        let _ = writeln!(out, "levee_redis_fallbacks_total {}", load(&self.rule_stats.fallbacks));
-        header(out, "levee_redis_refusals_total", "counter", "Calls failed while Redis was unreachable (rule closed).");
-        let _ = writeln!(out, "levee_redis_refusals_total {}", load(&self.rule_stats.refusals));
-        header(out, "levee_vectors_followed_total", "counter", "Vector entries indexed from other replicas.");
-        let _ = writeln!(out, "levee_vectors_followed_total {}", load(&redis.stats.vectors_followed));
-        if let Some(flights) = flights {
-            header(
-                out,
-                "levee_flights_followed_total",
-                "counter",
-                "Coalesced requests that followed another replica's generation.",
-            );
-            let _ = writeln!(out, "levee_flights_followed_total {}", load(&flights.followed));
-            header(
-                out,
-                "levee_flights_taken_over_total",
-                "counter",
-                "Followed generations finished here after the owner stalled or left.",
-            );
-            let _ = writeln!(out, "levee_flights_taken_over_total {}", load(&flights.taken_over));
-        }
     }
 }
