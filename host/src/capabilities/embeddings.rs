@@ -21,10 +21,9 @@ const MAX_TOKENS: usize = 256;
 /// Bytes of a text kept for embedding: well past what `MAX_TOKENS` tokens
 /// span, so the cut changes nothing the model reads but bounds the copy.
 const MAX_TEXT_BYTES: usize = MAX_TOKENS * 16;
-/// Texts waiting for the embedding thread; past this, `embed` fails at once
-/// rather than queueing work nobody may wait for.
-const QUEUE_DEPTH: usize = 256;
-/// Texts one plugin may have waiting.
+/// Texts one plugin may have waiting; past this, its `embed` fails at once
+/// rather than queueing work nobody may wait for. There is no bound shared
+/// by all plugins, which one plugin's flood could fill for the others.
 const OWNER_QUEUE_DEPTH: usize = 64;
 /// Slack past a caller's wait before its text is dropped unembedded, so
 /// that a text arriving at an idle model is always taken.
@@ -86,9 +85,6 @@ impl FairQueue {
     fn push(&mut self, owner: &str, job: Job) -> Result<(), String> {
         if self.stopped {
             return Err("the embedding thread has stopped".to_string());
-        }
-        if self.waiting >= QUEUE_DEPTH {
-            return Err(format!("the embedding queue is full ({QUEUE_DEPTH} texts waiting)"));
         }
         let queue = self.by_owner.entry(owner.to_string()).or_default();
         if queue.len() >= OWNER_QUEUE_DEPTH {

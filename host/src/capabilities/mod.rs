@@ -84,54 +84,72 @@ impl Capabilities {
         &self.state.local.vectors
     }
 
+    /// Whether a call of the shared state can run right here: always
+    /// without Redis, and with it on the runtime its connections live on.
+    fn at_home(&self) -> bool {
+        self.home.get().is_none_or(|home| tokio::runtime::Handle::try_current().is_ok_and(|h| h.id() == home.id()))
+    }
+
     /// Runs a call of the shared state on the runtime its Redis connections
     /// live on. A plugin call that moved to the plugin threads would
     /// otherwise reconnect Redis there, and every later Redis call would
     /// depend on threads that busy plugins fill.
-    async fn at_home<T: Send + 'static>(
+    async fn go_home<T: Send + 'static>(
         &self,
         work: impl FnOnce(Arc<State>) -> std::pin::Pin<Box<dyn Future<Output = Result<T, String>> + Send>>,
     ) -> Result<T, String> {
-        let state = self.state.clone();
+        let work = work(self.state.clone());
         match self.home.get() {
-            Some(home) if tokio::runtime::Handle::try_current().map(|h| h.id()).ok() != Some(home.id()) => {
-                home.spawn(work(state)).await.map_err(|e| format!("shared state: {e}"))?
-            }
-            _ => work(state).await,
+            Some(home) => home.spawn(work).await.map_err(|e| format!("shared state: {e}"))?,
+            None => work.await,
         }
     }
 
     /// The live value of `key`.
     pub async fn kv_get(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
+        if self.at_home() {
+            return self.state.kv_get(key).await;
+        }
         let key = key.to_string();
-        self.at_home(|state| Box::pin(async move { state.kv_get(&key).await })).await
+        self.go_home(|state| Box::pin(async move { state.kv_get(&key).await })).await
     }
 
     /// Stores `value` for `ttl_ms` (0 = no expiry), within the plugin's
     /// largest entry with either backend.
     pub async fn kv_set(&self, key: &str, value: Vec<u8>, ttl_ms: u64) -> Result<(), String> {
         self.state.local.check_kv_entry(key, &value)?;
+        if self.at_home() {
+            return self.state.kv_set(key, &value, ttl_ms).await;
+        }
         let key = key.to_string();
-        self.at_home(|state| Box::pin(async move { state.kv_set(&key, &value, ttl_ms).await })).await
+        self.go_home(|state| Box::pin(async move { state.kv_set(&key, &value, ttl_ms).await })).await
     }
 
     /// Adds `delta` to the integer at `key` atomically; a new key gets `ttl_ms`.
     pub async fn kv_incr(&self, key: &str, delta: i64, ttl_ms: u64) -> Result<i64, String> {
+        if self.at_home() {
+            return self.state.kv_incr(key, delta, ttl_ms).await;
+        }
         let key = key.to_string();
-        self.at_home(|state| Box::pin(async move { state.kv_incr(&key, delta, ttl_ms).await })).await
+        self.go_home(|state| Box::pin(async move { state.kv_incr(&key, delta, ttl_ms).await })).await
     }
 
     /// Removes `key`.
     pub async fn kv_delete(&self, key: &str) -> Result<(), String> {
+        if self.at_home() {
+            return self.state.kv_delete(key).await;
+        }
         let key = key.to_string();
-        self.at_home(|state| Box::pin(async move { state.kv_delete(&key).await })).await
+        self.go_home(|state| Box::pin(async move { state.kv_delete(&key).await })).await
     }
 
     /// Takes `cost` tokens from bucket `key` atomically (a negative cost refunds).
     pub async fn take(&self, key: &str, capacity: f64, refill_per_sec: f64, cost: f64) -> Result<Take, String> {
-        crate::state::bucket::check(capacity, refill_per_sec, cost)?;
+        if self.at_home() {
+            return self.state.take(key, capacity, refill_per_sec, cost).await;
+        }
         let key = key.to_string();
-        self.at_home(|state| Box::pin(async move { state.take(&key, capacity, refill_per_sec, cost).await })).await
+        self.go_home(|state| Box::pin(async move { state.take(&key, capacity, refill_per_sec, cost).await })).await
     }
 
     /// Stores `vector` with `payload` for `ttl_ms` here and, with Redis, for every replica.
@@ -149,6 +167,9 @@ impl Capabilities {
             expires_unix_ms: if ttl_ms > 0 { crate::state::unix_ms().saturating_add(ttl_ms) } else { 0 },
             origin: self.state.redis.as_ref().map_or_else(String::new, |r| r.replica.clone()),
         };
-        self.at_home(|state| Box::pin(async move { state.vector_insert(&entry).await })).await
+        if self.at_home() {
+            return self.state.vector_insert(&entry).await;
+        }
+        self.go_home(|state| Box::pin(async move { state.vector_insert(&entry).await })).await
     }
 }

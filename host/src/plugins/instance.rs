@@ -95,14 +95,14 @@ struct Factory {
     /// One permit per live instance (idle or busy): the plugin's own share
     /// of the pooling allocator, so that it cannot take another's.
     live: Arc<Semaphore>,
-    idle: Arc<Mutex<Vec<Slot>>>,
+    idle: Mutex<Vec<Slot>>,
     /// Woken when an instance goes back to the idle pool.
-    returned: Arc<Notify>,
-    warming: Arc<AtomicBool>,
+    returned: Notify,
+    warming: AtomicBool,
     /// Failed warm-up rounds in a row and when the last one ended, for backoff.
-    warm_failures: Arc<Mutex<(u32, Option<Instant>)>>,
+    warm_failures: Mutex<(u32, Option<Instant>)>,
     /// Set when this version leaves the chain: its warmer stops.
-    retired: Arc<AtomicBool>,
+    retired: AtomicBool,
     /// Linear memory this version's instances hold together, bytes.
     memory: Arc<AtomicUsize>,
     /// Calls of this version waiting on a host capability right now.
@@ -406,9 +406,8 @@ impl Factory {
     /// never quarantine the name: its successor starts afresh.
     fn finish(&self, hook: Hook, started: Instant, outcome: Result<(), &Fault>) {
         let retired = self.retired.load(Ordering::Acquire);
-        let after = if retired { u32::MAX } else { self.settings.quarantine_after };
         let fault = outcome.err();
-        let tipped = self.stats.record(hook, started.elapsed(), fault, after, !retired);
+        let tipped = self.stats.record(hook, started.elapsed(), fault, self.settings.quarantine_after, !retired);
         if let Some(fault) = fault
             && self.stats.fault_logs.admit() == super::logs::Verdict::Write
         {
@@ -535,11 +534,11 @@ impl LoadedPlugin {
             caps,
             stats: stats.clone(),
             live: Arc::new(Semaphore::new(settings.max_instances.max(1))),
-            idle: Arc::default(),
-            returned: Arc::default(),
-            warming: Arc::default(),
-            warm_failures: Arc::default(),
-            retired: Arc::default(),
+            idle: Mutex::default(),
+            returned: Notify::new(),
+            warming: AtomicBool::new(false),
+            warm_failures: Mutex::default(),
+            retired: AtomicBool::new(false),
             memory: Arc::default(),
             host_waits: Arc::default(),
         });

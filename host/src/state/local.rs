@@ -2,7 +2,7 @@
 //! and vector namespaces live in stores of their own, within the plugin's
 //! own bounds, so that no plugin's activity can evict or reset another's.
 
-use super::bucket::{self, LocalBuckets, Take};
+use super::bucket::{LocalBuckets, Take};
 use super::kv::{self, LocalKv};
 use super::vectors::{self, LocalVectors};
 use super::{Failure, Pending, Store, VectorEntry};
@@ -153,10 +153,7 @@ impl Store for LocalStore {
     }
 
     fn take<'a>(&'a self, key: &'a str, capacity: f64, refill_per_sec: f64, cost: f64) -> Pending<'a, Take> {
-        ready(
-            bucket::check(capacity, refill_per_sec, cost)
-                .and_then(|()| self.buckets(key).take(key, capacity, refill_per_sec, cost)),
-        )
+        ready(self.buckets(key).take(key, capacity, refill_per_sec, cost))
     }
 
     fn vector_insert<'a>(&'a self, entry: &'a VectorEntry) -> Pending<'a, ()> {

@@ -137,8 +137,9 @@ impl State {
         self.serve(|store| store.kv_delete(key)).await
     }
 
-    /// See [`Store::take`].
+    /// See [`Store::take`]; the bucket's numbers are checked here, once for either backend.
     pub async fn take(&self, key: &str, capacity: f64, refill_per_sec: f64, cost: f64) -> Result<Take, String> {
+        bucket::check(capacity, refill_per_sec, cost)?;
         self.serve(|store| store.take(key, capacity, refill_per_sec, cost)).await
     }
 

@@ -423,7 +423,8 @@ impl RedisState {
                         at if at > now => at - now,
                         _ => continue,
                     };
-                    if entry.origin == self.replica {
+                    // An entry counts against the plugin whose stream carries it, never another's.
+                    if entry.origin == self.replica || self.stream(super::vectors::owner(&entry.namespace)) != key.key {
                         continue;
                     }
                     let inserted = state.local.vectors.insert(&entry.namespace, &entry.vector, entry.payload, ttl_ms);
